@@ -1,0 +1,257 @@
+"""The cce autograd Function: the forward saves (lse, a few (N,) vectors), the backward recomputes.
+
+The pieces here are also the building blocks of the vocab-parallel layer (fused_lce.parallel):
+``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernels on one weight
+shard, ``token_loss`` and ``grad_coefficients`` turn global statistics into losses and into the
+backward's per-row coefficients, and ``shard_backward`` runs the fused backward on one shard.
+Nothing in this file talks to other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, GradCoefficients
+from .kernels.backward import backward_config, lce_backward
+from .kernels.indexed_dot import indexed_dot
+from .kernels.lse_forward import LSEStats, lse_forward
+from .options import LCEOptions
+
+_FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
+
+
+@dataclass
+class RowOrder:
+    """Non-ignored tokens first (stable), and how many there are, both on the device."""
+
+    order: torch.Tensor  # (N,) int32
+    n_valid: torch.Tensor  # () int32
+    valid: torch.Tensor  # (N,) bool
+
+
+def prepare_rows(target: torch.Tensor, ignore_index: int) -> RowOrder:
+    """Move ignored tokens to the end without a host sync: the kernels stop at ``n_valid``."""
+    valid = target != ignore_index
+    order = torch.argsort((~valid).to(torch.int8), stable=True).to(torch.int32)
+    return RowOrder(order=order, n_valid=valid.sum(dtype=torch.int32), valid=valid)
+
+
+def local_targets(
+    target: torch.Tensor, valid: torch.Tensor, vocab_start: int, n_local: int
+) -> torch.Tensor:
+    """Targets as rows of this shard's weight, -1 where another shard (or nobody) owns them."""
+    local = target - vocab_start
+    owned = valid & (local >= 0) & (local < n_local)
+    return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32)
+
+
+def shard_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    rows: RowOrder,
+    opts: LCEOptions,
+    *,
+    vocab_start: int = 0,
+    want_col_sum: bool = False,
+) -> tuple[LSEStats, torch.Tensor]:
+    """(max / sum-exp / row-sum statistics, target logit) of this weight shard's columns.
+
+    The target logit is 0 for tokens whose target another shard owns.
+    """
+    stats = lse_forward(
+        hidden,
+        weight,
+        bias,
+        rows.order,
+        rows.n_valid,
+        softcap=opts.softcap,
+        want_row_sum=opts.label_smoothing > 0,
+        want_col_sum=want_col_sum,
+    )
+    target_logit = indexed_dot(
+        hidden, weight, bias, target, softcap=opts.softcap, vocab_start=vocab_start
+    )
+    return stats, target_logit
+
+
+def token_loss(
+    lse: torch.Tensor,
+    target_logit: torch.Tensor,
+    row_sum: torch.Tensor | None,
+    valid: torch.Tensor,
+    opts: LCEOptions,
+    n_classes: int,
+) -> torch.Tensor:
+    """Per-token loss (N,) from global statistics; 0 for ignored tokens."""
+    loss = lse - target_logit
+    if opts.label_smoothing > 0:
+        smooth = lse - row_sum / n_classes
+        loss = (1.0 - opts.label_smoothing) * loss + opts.label_smoothing * smooth
+    if opts.z_loss > 0:
+        loss = loss + opts.z_loss * lse * lse
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def reduce_tokens(loss: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / n_valid
+
+
+def loss_gradient_per_token(
+    grad_loss: torch.Tensor, n_rows: int, n_valid: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """d(reduced loss)/d(token loss) times the incoming gradient, (N,) fp32."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.reshape(n_rows)
+    if reduction == "mean":
+        grad_loss = grad_loss / n_valid
+    return grad_loss.expand(n_rows)
+
+
+def grad_coefficients(
+    grad_token: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    lse: torch.Tensor,
+    valid: torch.Tensor,
+    opts: LCEOptions,
+    n_classes: int,
+) -> GradCoefficients:
+    """Per-row coefficients of softmax, target one-hot and uniform terms in the logit gradient."""
+    zero = torch.zeros_like(grad_token)
+    g = torch.where(valid, grad_token, zero)
+    p_coef = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss > 0 else g
+    if grad_lse is not None:
+        p_coef = p_coef + torch.where(valid, grad_lse.float(), zero)
+    p_coef = torch.where(valid, p_coef, zero)
+    tgt_coef = g * (1.0 - opts.label_smoothing)
+    smooth_coef = g * (opts.label_smoothing / n_classes) if opts.label_smoothing > 0 else None
+    return GradCoefficients(
+        p_coef=p_coef.contiguous(), tgt_coef=tgt_coef.contiguous(), smooth_coef=smooth_coef
+    )
+
+
+def filter_settings(
+    opts: LCEOptions, dtype: torch.dtype, n_classes: int, device: torch.device
+) -> tuple[int, float]:
+    """(FILTER code, per-tile threshold) for the backward kernel.
+
+    The safe criterion's budget eps is spread evenly over the vocabulary's tiles, so a tile may
+    hold at most eps * BLOCK_V / V of a row's mass. Label smoothing gives every column a gradient
+    of ls / V, which that criterion must not drop: it then computes every tile.
+    """
+    mode, eps = opts.filter_mode(dtype)
+    if mode == "mass":
+        if opts.label_smoothing > 0:
+            return FILTER_OFF, 0.0
+        block_v = backward_config(device).block_v
+        return FILTER_MASS, eps * block_v / n_classes
+    return _FILTER_CODES[mode], eps
+
+
+def use_vocab_sort(opts: LCEOptions, filter_code: int) -> bool:
+    return opts.vocab_sort and filter_code != FILTER_OFF and not opts.deterministic
+
+
+def shard_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target_local: torch.Tensor,
+    rows: RowOrder,
+    lse: torch.Tensor,
+    coefs: GradCoefficients,
+    col_sum: torch.Tensor | None,
+    opts: LCEOptions,
+    n_classes: int,
+    needs: tuple[bool, bool, bool],
+):
+    """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``."""
+    filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
+    vocab_order = None
+    if col_sum is not None and use_vocab_sort(opts, filter_code):
+        vocab_order = torch.argsort(col_sum, descending=True).to(torch.int32)
+    return lce_backward(
+        hidden,
+        weight,
+        bias,
+        target_local,
+        rows.order,
+        rows.n_valid,
+        lse,
+        coefs,
+        softcap=opts.softcap,
+        filter_mode=filter_code,
+        filter_threshold=threshold,
+        vocab_order=vocab_order,
+        deterministic=opts.deterministic,
+        scratch_bytes=opts.scratch_bytes,
+        want_hidden=needs[0],
+        want_weight=needs[1],
+        want_bias=needs[2],
+    )
+
+
+class CCEFunction(torch.autograd.Function):
+    """Single-device cut cross-entropy. Inputs are validated and flattened by the caller."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, opts: LCEOptions):
+        n_classes = weight.shape[0]
+        rows = prepare_rows(target, opts.ignore_index)
+        filter_code, _ = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
+        want_col_sum = use_vocab_sort(opts, filter_code)
+        stats, target_logit = shard_statistics(
+            hidden, weight, bias, target, rows, opts, want_col_sum=want_col_sum
+        )
+        lse = torch.where(rows.valid, stats.lse, torch.zeros_like(stats.max))
+        loss = token_loss(lse, target_logit, stats.row_sum, rows.valid, opts, n_classes)
+        loss = reduce_tokens(loss, rows.n_valid, opts.reduction)
+
+        ctx.save_for_backward(hidden, weight, bias, target, lse, stats.col_sum)
+        ctx.rows = rows
+        ctx.opts = opts
+        ctx.set_materialize_grads(False)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        hidden, weight, bias, target, lse, col_sum = ctx.saved_tensors
+        opts: LCEOptions = ctx.opts
+        rows: RowOrder = ctx.rows
+        n_rows, n_classes = hidden.shape[0], weight.shape[0]
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        if grad_loss is None and grad_lse is None:
+            return None, None, None, None, None
+        if grad_loss is None:
+            grad_token = torch.zeros((n_rows,), device=hidden.device, dtype=torch.float32)
+        else:
+            grad_token = loss_gradient_per_token(grad_loss, n_rows, rows.n_valid, opts.reduction)
+        coefs = grad_coefficients(grad_token, grad_lse, lse, rows.valid, opts, n_classes)
+        target_local = local_targets(target, rows.valid, 0, n_classes)
+        d_hidden, d_weight, d_bias = shard_backward(
+            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs
+        )
+        return d_hidden, d_weight, d_bias, None, None
+
+
+def cce_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LCEOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) through the Triton kernels. hidden (N, D), weight (V, D), target (N,)."""
+    if opts.num_classes is not None:
+        weight = weight[: opts.num_classes]
+        bias = None if bias is None else bias[: opts.num_classes]
+    return CCEFunction.apply(hidden, weight, bias, target, opts)

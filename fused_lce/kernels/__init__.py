@@ -1,0 +1,1 @@
+"""Triton kernels, one per file, each with its launcher: lse_forward, indexed_dot, backward."""

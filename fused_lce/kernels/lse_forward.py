@@ -1,0 +1,209 @@
+"""Linear-log-sum-exp forward: per-row max and sum-exp of softcap(E @ C.T + b), no logits stored.
+
+The grid is (row blocks, vocabulary splits). Each program walks its split of the vocabulary tile
+by tile, keeps an online max and rescaled sum-exp per row in registers, and writes one partial
+(max, sum-exp) per row and split; the launcher merges the splits. Splitting the vocabulary keeps
+the GPU full when there are few row blocks, and the partials are what the vocab-parallel layer
+combines across ranks.
+
+Optional outputs, each behind a constexpr switch:
+- ``ROW_SUM``: the sum of a row's logits, for label smoothing.
+- ``COL_SUM``: per-column sums of logits over rows (atomic), whose order drives vocab sorting.
+
+Rows are read through ``row_order``: the non-ignored tokens first, ``n_valid`` of them, counted on
+the device. Programs whose rows are all ignored return at once, so ignored tokens cost nothing and
+no host sync is needed to remove them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, TileConfig, dot_settings, gpu_family, logits_tile, num_sms, tanh
+
+
+@triton.heuristics(
+    {
+        # Bias and soft-capping are rare; compile them out when absent.
+        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
+        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
+        "ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
+        "COL_SUM": lambda args: args["col_sum_ptr"] is not None,
+    }
+)
+@triton.jit
+def _lse_forward_kernel(
+    # pointers
+    e_ptr,
+    c_ptr,
+    bias_ptr,
+    row_order_ptr,
+    n_valid_ptr,
+    max_ptr,
+    sum_exp_ptr,
+    row_sum_ptr,
+    col_sum_ptr,
+    # sizes
+    n_vocab,
+    d_model,
+    vocab_per_split,
+    # strides
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    stride_split,
+    # scalars
+    softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ROW_SUM: tl.constexpr,
+    COL_SUM: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_split = tl.program_id(1)
+    n_valid = tl.load(n_valid_ptr)
+    if pid_n * BLOCK_N >= n_valid:
+        return
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    rows = tl.load(row_order_ptr + offs_n, mask=row_mask, other=0).to(tl.int64)
+
+    row_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    # The launcher sizes splits so that each starts inside the vocabulary: every row sees a
+    # finite logit in its first tile, and later fully masked tiles add exp(-inf) = 0.
+    v_start = pid_split * vocab_per_split
+    for v_offset in range(0, vocab_per_split, BLOCK_V):
+        cols = (v_start + v_offset + tl.arange(0, BLOCK_V)).to(tl.int64)
+        col_mask = cols < n_vocab
+        logits = logits_tile(
+            e_ptr, c_ptr, rows, cols, row_mask, col_mask, d_model,
+            stride_en, stride_ed, stride_cv, stride_cd,
+            BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
+        )
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            logits += bias[None, :]
+        if HAS_SOFTCAP:
+            logits = softcap * tanh(logits / softcap)
+        if ROW_SUM:
+            row_sum += tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+        if COL_SUM:
+            col_total = tl.sum(tl.where(row_mask[:, None], logits, 0.0), axis=0)
+            tl.atomic_add(col_sum_ptr + cols, col_total, mask=col_mask)
+        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        row_sum_exp = row_sum_exp * tl.exp(row_max - new_max) + tl.sum(
+            tl.exp(logits - new_max[:, None]), axis=1
+        )
+        row_max = new_max
+
+    out = pid_split * stride_split + rows
+    tl.store(max_ptr + out, row_max, mask=row_mask)
+    tl.store(sum_exp_ptr + out, row_sum_exp, mask=row_mask)
+    if ROW_SUM:
+        tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
+
+
+_CONFIGS = {
+    # Big blocks: the interpreter pays per program and per op, not per element.
+    "interpreter": TileConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=1),
+    "hopper": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    "blackwell": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    "ampere": TileConfig(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3),
+}
+
+
+@dataclass
+class LSEStats:
+    """Per-row statistics of one vocabulary shard; ignored rows hold max=-inf, sum_exp=0."""
+
+    max: torch.Tensor  # (N,) fp32
+    sum_exp: torch.Tensor  # (N,) fp32, sum of exp(logit - max)
+    row_sum: torch.Tensor | None  # (N,) fp32, sum of logits (label smoothing)
+    col_sum: torch.Tensor | None  # (V,) fp32, sum of logits over valid rows (vocab sorting)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.max + torch.log(self.sum_exp)
+
+
+def lse_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    row_order: torch.Tensor,
+    n_valid: torch.Tensor,
+    *,
+    softcap: float | None = None,
+    want_row_sum: bool = False,
+    want_col_sum: bool = False,
+) -> LSEStats:
+    """Max and sum-exp per row of ``softcap(hidden @ weight.T + bias)`` over this weight's rows.
+
+    Args:
+        hidden: (N, D) activations.
+        weight: (V, D) classifier rows (a shard, possibly).
+        bias: (V,) or None.
+        row_order: (N,) int32, the non-ignored rows first.
+        n_valid: () int32 on the device, the number of non-ignored rows.
+    """
+    n_rows, d_model = hidden.shape
+    n_vocab = weight.shape[0]
+    device = hidden.device
+    cfg = _CONFIGS[gpu_family(device)]
+    dot_fp32, precision = dot_settings(hidden.dtype)
+
+    row_blocks = triton.cdiv(n_rows, cfg.block_n)
+    vocab_blocks = triton.cdiv(n_vocab, cfg.block_v)
+    # Enough programs for about four waves, without splitting below a few tiles per program.
+    wanted_splits = triton.cdiv(4 * num_sms(device), max(row_blocks, 1))
+    splits = max(1, min(wanted_splits, triton.cdiv(vocab_blocks, 4)))
+    if INTERPRET:
+        splits = 1
+    vocab_per_split = triton.cdiv(vocab_blocks, splits) * cfg.block_v
+    splits = triton.cdiv(n_vocab, vocab_per_split)
+
+    part_max = torch.full((splits, n_rows), float("-inf"), device=device, dtype=torch.float32)
+    part_sum_exp = torch.zeros((splits, n_rows), device=device, dtype=torch.float32)
+    part_row_sum = (
+        torch.zeros((splits, n_rows), device=device, dtype=torch.float32) if want_row_sum else None
+    )
+    col_sum = torch.zeros((n_vocab,), device=device, dtype=torch.float32) if want_col_sum else None
+
+    if n_rows > 0 and n_vocab > 0:
+        grid = (row_blocks, splits)
+        _lse_forward_kernel[grid](
+            hidden, weight, bias, row_order, n_valid,
+            part_max, part_sum_exp, part_row_sum, col_sum,
+            n_vocab, d_model, vocab_per_split,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            part_max.stride(0),
+            softcap,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+            DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if splits == 1:
+        row_max, sum_exp = part_max[0], part_sum_exp[0]
+    else:
+        row_max = part_max.max(dim=0).values
+        scale = torch.exp(part_max - row_max.clamp_min(torch.finfo(torch.float32).min))
+        sum_exp = (part_sum_exp * scale).sum(dim=0)
+    row_sum = None if part_row_sum is None else part_row_sum.sum(dim=0)
+    return LSEStats(row_max, sum_exp, row_sum, col_sum)

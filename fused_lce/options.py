@@ -1,0 +1,198 @@
+"""The options of one linear-cross-entropy call, validated once and passed down as one object.
+
+Every implementation (the Triton kernels, the chunked PyTorch paths, the full-logits reference)
+receives the same :class:`LCEOptions`, so the semantics are defined in one place:
+
+    logits = softcap_fn(input @ weight.T + bias)            # (N, V), never stored by cce
+    lse    = logsumexp(logits)
+    loss_n = (1 - ls) * (lse - logits[target])              # cross-entropy
+           + ls * (lse - mean_v logits)                      # label smoothing (torch's convention)
+           + z_loss * lse**2                                 # z-loss
+    loss_n = 0 where target == ignore_index
+
+``softcap_fn(x) = softcap * tanh(x / softcap)``. "mean" divides by the number of non-ignored
+tokens, as torch does (all tokens ignored gives NaN, as in torch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Reduction = Literal["mean", "sum", "none"]
+Impl = Literal["auto", "cce", "chunked", "torch"]
+ChunkBy = Literal["vocab", "tokens"]
+FilterSpec = float | Literal["safe", "paper"] | None
+
+REDUCTIONS = ("mean", "sum", "none")
+IMPLS = ("auto", "cce", "chunked", "torch")
+CHUNK_BY = ("vocab", "tokens")
+
+# Environment variables that size the chunked paths and the cce scratch buffers (docs/options.md).
+ENV_VOCAB_CHUNK = "FUSED_LCE_VOCAB_CHUNK"
+ENV_TOKEN_CHUNK = "FUSED_LCE_TOKEN_CHUNK"
+ENV_SCRATCH_MB = "FUSED_LCE_SCRATCH_MB"
+
+DEFAULT_VOCAB_CHUNK = 4096
+DEFAULT_TOKEN_CHUNK = 1024
+DEFAULT_SCRATCH_MB = 64.0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be a positive integer, got {raw!r}")
+    if value <= 0:
+        raise ValueError(f"environment variable {name} must be a positive integer, got {raw!r}")
+    return value
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
+    if not value > 0:
+        raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
+    return value
+
+
+def filter_budget(dtype: torch.dtype) -> float:
+    """The precision below which a gradient entry is invisible in ``dtype``: eps / 32.
+
+    For bf16 this is 2^-12, the paper's threshold; fp16 gives 2^-15, fp32 2^-28.
+    """
+    return torch.finfo(dtype).eps / 32.0
+
+
+@dataclass(frozen=True)
+class LCEOptions:
+    """Everything that changes what a linear-cross-entropy call computes or how it runs."""
+
+    ignore_index: int = -100
+    """Target value whose tokens contribute neither loss nor gradient."""
+    reduction: Reduction = "mean"
+    """"mean" over non-ignored tokens, "sum", or "none" (per-token loss, shape of target)."""
+    label_smoothing: float = 0.0
+    """Weight of the uniform distribution mixed into the target, in [0, 1]."""
+    softcap: float | None = None
+    """Logit soft-capping ``softcap * tanh(x / softcap)``; None disables it."""
+    z_loss: float = 0.0
+    """Coefficient of the ``lse**2`` penalty added per non-ignored token."""
+    num_classes: int | None = None
+    """Number of real classes; weight rows at or past it (vocabulary padding) are excluded.
+    None means every weight row is a class."""
+    filter_eps: FilterSpec = "safe"
+    """Gradient filtering in the cce backward (docs/algorithm.md):
+    "safe" skips a tile only if each of its rows holds less than eps * BLOCK_V / V of softmax
+    mass, so a token drops at most eps = finfo.eps / 32 of its probability in total;
+    "paper" (or a float) skips a tile whose softmax entries are all below eps (or the float);
+    None or 0 computes every tile."""
+    vocab_sort: bool = True
+    """Walk the vocabulary in order of mean logit in the cce backward, so negligible tiles cluster
+    (only used when filtering is on; off under ``deterministic``)."""
+    deterministic: bool = False
+    """Bitwise repeatable results: no order-dependent atomics (the cce backward then recomputes
+    logits twice, once for each gradient)."""
+    impl: Impl = "auto"
+    """"cce" (Triton kernels), "chunked" (pure PyTorch), "torch" (full logits), or "auto"
+    (cce on CUDA, chunked elsewhere)."""
+    chunk_by: ChunkBy = "vocab"
+    """Chunked impl: "vocab" (online softmax over vocabulary chunks, gradients recomputed in the
+    backward) or "tokens" (gradients computed in the forward, token chunk by token chunk; needs a
+    scalar loss)."""
+    vocab_chunk_size: int | None = None
+    """Vocabulary columns per chunk of the chunked impl (env FUSED_LCE_VOCAB_CHUNK, 4096)."""
+    token_chunk_size: int | None = None
+    """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024)."""
+    scratch_mb: float | None = None
+    """Upper bound on the cce backward's fp32 accumulation buffers in MiB
+    (env FUSED_LCE_SCRATCH_MB, 64). Smaller is leaner; see docs/algorithm.md."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.chunk_by not in CHUNK_BY:
+            raise ValueError(f"chunk_by must be one of {CHUNK_BY}, got {self.chunk_by!r}")
+        _check_float("label_smoothing", self.label_smoothing)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.softcap is not None:
+            _check_float("softcap", self.softcap)
+            if not (self.softcap > 0 and math.isfinite(self.softcap)):
+                raise ValueError(f"softcap must be a finite number > 0 or None, got {self.softcap}")
+        _check_float("z_loss", self.z_loss)
+        if not (self.z_loss >= 0 and math.isfinite(self.z_loss)):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss}")
+        if self.num_classes is not None:
+            if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int):
+                raise TypeError(f"num_classes must be an int or None, got {self.num_classes!r}")
+            if self.num_classes <= 0:
+                raise ValueError(f"num_classes must be > 0, got {self.num_classes}")
+        if isinstance(self.filter_eps, str):
+            if self.filter_eps not in ("safe", "paper"):
+                raise ValueError(
+                    f"filter_eps must be 'safe', 'paper', a float >= 0 or None, "
+                    f"got {self.filter_eps!r}"
+                )
+        elif self.filter_eps is not None:
+            _check_float("filter_eps", self.filter_eps)
+            if not (0.0 <= self.filter_eps < 1.0):
+                raise ValueError(f"filter_eps must be in [0, 1), got {self.filter_eps}")
+        for name in ("vocab_chunk_size", "token_chunk_size"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{name} must be a positive int or None, got {value!r}")
+                if value <= 0:
+                    raise ValueError(f"{name} must be a positive int or None, got {value}")
+        if self.scratch_mb is not None:
+            _check_float("scratch_mb", self.scratch_mb)
+            if not self.scratch_mb > 0:
+                raise ValueError(f"scratch_mb must be > 0, got {self.scratch_mb}")
+
+    @property
+    def vocab_chunk(self) -> int:
+        return self.vocab_chunk_size or _env_int(ENV_VOCAB_CHUNK, DEFAULT_VOCAB_CHUNK)
+
+    @property
+    def token_chunk(self) -> int:
+        return self.token_chunk_size or _env_int(ENV_TOKEN_CHUNK, DEFAULT_TOKEN_CHUNK)
+
+    @property
+    def scratch_bytes(self) -> int:
+        mib = self.scratch_mb if self.scratch_mb is not None else _env_float(
+            ENV_SCRATCH_MB, DEFAULT_SCRATCH_MB
+        )
+        return int(mib * 2**20)
+
+    def filter_mode(self, dtype: torch.dtype) -> tuple[str, float]:
+        """("off" | "mass" | "entry", threshold) for inputs of ``dtype``."""
+        spec = self.filter_eps
+        if spec is None or (not isinstance(spec, str) and spec == 0.0):
+            return "off", 0.0
+        if spec == "safe":
+            return "mass", filter_budget(dtype)
+        if spec == "paper":
+            return "entry", filter_budget(dtype)
+        return "entry", float(spec)
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")

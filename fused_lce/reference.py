@@ -1,0 +1,76 @@
+"""The plain math with full logits: the oracle for tests and ``impl="torch"``.
+
+It materialises the (N, V) logits and lets autograd differentiate them, so it is as memory hungry
+as an unfused classifier head; its value is that it is obviously the definition in
+``fused_lce.options``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import LCEOptions
+
+
+def softcap_fn(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    if softcap is None:
+        return logits
+    return softcap * torch.tanh(logits / softcap)
+
+
+def full_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LCEOptions
+) -> torch.Tensor:
+    """Soft-capped logits in fp32 (or the inputs' dtype if wider), restricted to real classes."""
+    if opts.num_classes is not None:
+        weight = weight[: opts.num_classes]
+        bias = None if bias is None else bias[: opts.num_classes]
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return softcap_fn(logits.to(compute_dtype), opts.softcap)
+
+
+def per_token_loss(
+    logits: torch.Tensor, target: torch.Tensor, opts: LCEOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) per token from full logits (N, V); ignored tokens give loss 0 and keep lse."""
+    valid = target != opts.ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target))
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+    loss = lse - target_logit
+    if opts.label_smoothing > 0:
+        smooth = lse - logits.mean(dim=-1)
+        loss = (1.0 - opts.label_smoothing) * loss + opts.label_smoothing * smooth
+    if opts.z_loss > 0:
+        loss = loss + opts.z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return loss, lse
+
+
+def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / valid.sum()
+
+
+def reference_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LCEOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) with full logits. ``hidden`` (N, D), ``target`` (N,); autograd does the rest.
+
+    Loss and lse come in fp32, or fp64 for fp64 inputs (the logits are upcast first).
+    """
+    logits = full_logits(hidden, weight, bias, opts)
+    loss, lse = per_token_loss(logits, target, opts)
+    loss = reduce_loss(loss, target != opts.ignore_index, opts.reduction)
+    return loss, lse
