@@ -128,6 +128,14 @@ _CONFIGS = {
 }
 
 
+def forward_config(device: torch.device, dtype: torch.dtype) -> TileConfig:
+    cfg = _CONFIGS[gpu_family(device)]
+    if dtype == torch.float32 and device.type == "cuda":
+        # fp32 tiles take twice the shared memory: halve the vocabulary block.
+        cfg = TileConfig(cfg.block_n, cfg.block_v // 2, cfg.block_d, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
 @dataclass
 class LSEStats:
     """Per-row statistics of one vocabulary shard; ignored rows hold max=-inf, sum_exp=0."""
@@ -165,7 +173,7 @@ def lse_forward(
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     device = hidden.device
-    cfg = _CONFIGS[gpu_family(device)]
+    cfg = forward_config(device, hidden.dtype)
     dot_fp32, precision = dot_settings(hidden.dtype)
 
     row_blocks = triton.cdiv(n_rows, cfg.block_n)
