@@ -13,8 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, GradCoefficients
-from .kernels.backward import backward_config, lce_backward
+from .kernels.backward import (
+    FILTER_ENTRY,
+    FILTER_MASS,
+    FILTER_OFF,
+    GradCoefficients,
+    backward_config,
+    lce_backward,
+)
 from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import LSEStats, lse_forward
 from .options import LCEOptions

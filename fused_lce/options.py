@@ -49,7 +49,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be a positive integer, got {raw!r}")
+        raise ValueError(
+            f"environment variable {name} must be a positive integer, got {raw!r}"
+        ) from None
     if value <= 0:
         raise ValueError(f"environment variable {name} must be a positive integer, got {raw!r}")
     return value
@@ -62,7 +64,9 @@ def _env_float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
+        raise ValueError(
+            f"environment variable {name} must be a positive number, got {raw!r}"
+        ) from None
     if not value > 0:
         raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
     return value

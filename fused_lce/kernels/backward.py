@@ -407,9 +407,8 @@ def lce_backward(
                 )
         if d_hidden is not None:
             # Positions past n_valid hold ignored rows: their scratch stayed zero.
-            d_hidden.index_copy_(
-                0, row_order[row_start : row_start + rows].long(), de_scratch[:rows].to(hidden.dtype)
-            )
+            positions = row_order[row_start : row_start + rows].long()
+            d_hidden.index_copy_(0, positions, de_scratch[:rows].to(hidden.dtype))
 
     d_bias = None if d_bias_acc is None else d_bias_acc.to(bias.dtype)
     return d_hidden, d_weight, d_bias

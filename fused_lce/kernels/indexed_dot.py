@@ -57,8 +57,10 @@ def _indexed_dot_kernel(
     for d0 in range(0, d_model, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask = owned[:, None] & (offs_d[None, :] < d_model)
-        e = tl.load(e_ptr + offs_n[:, None] * stride_en + offs_d[None, :] * stride_ed, mask=mask, other=0.0)
-        c = tl.load(c_ptr + target[:, None] * stride_cv + offs_d[None, :] * stride_cd, mask=mask, other=0.0)
+        e_ptrs = e_ptr + offs_n[:, None] * stride_en + offs_d[None, :] * stride_ed
+        c_ptrs = c_ptr + target[:, None] * stride_cv + offs_d[None, :] * stride_cd
+        e = tl.load(e_ptrs, mask=mask, other=0.0)
+        c = tl.load(c_ptrs, mask=mask, other=0.0)
         acc += tl.sum(e.to(tl.float32) * c.to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + target, mask=owned, other=0.0).to(tl.float32)
