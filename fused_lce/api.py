@@ -34,6 +34,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     return_lse: bool = False,
     num_classes: int | None = None,
+    backward: str = "auto",
     filter_eps: float | str | None = "safe",
     vocab_sort: bool = True,
     deterministic: bool = False,
@@ -62,13 +63,16 @@ def linear_cross_entropy(
         return_lse: also return the (differentiable) per-token log-sum-exp, shape ``target``,
             fp32; 0 for ignored tokens.
         num_classes: weight rows at or past this index are vocabulary padding, not classes.
-        filter_eps: cce gradient filtering: "safe" (default), "paper", a float, or None (off).
-        vocab_sort: cce: walk the vocabulary by mean logit so negligible tiles cluster.
+        backward: cce backward, "auto", "gemm" (gradient chunks + GEMMs) or "tiles" (fused
+            tile kernel with gradient filtering and vocab sorting).
+        filter_eps: tiles backward filtering: "safe" (default), "paper", a float, or None (off).
+        vocab_sort: tiles backward: walk the vocabulary by mean logit so negligible tiles cluster.
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
-        scratch_mb: cce backward fp32 scratch budget in MiB (env FUSED_LCE_SCRATCH_MB, 64).
+        scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 16 is
+            the lean mode.
         check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs).
 
     Returns:
@@ -81,6 +85,7 @@ def linear_cross_entropy(
         softcap=softcap,
         z_loss=z_loss,
         num_classes=num_classes,
+        backward=backward,
         filter_eps=filter_eps,
         vocab_sort=vocab_sort,
         deterministic=deterministic,

@@ -21,6 +21,7 @@ from .kernels.backward import (
     backward_config,
     lce_backward,
 )
+from .kernels.grad_logits import lce_backward_gemm
 from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import LSEStats, lse_forward
 from .options import LCEOptions
@@ -163,8 +164,17 @@ def filter_settings(
     return _FILTER_CODES[mode], eps
 
 
+def backward_path(opts: LCEOptions) -> str:
+    return "gemm" if opts.backward == "auto" else opts.backward
+
+
 def use_vocab_sort(opts: LCEOptions, filter_code: int) -> bool:
-    return opts.vocab_sort and filter_code != FILTER_OFF and not opts.deterministic
+    return (
+        backward_path(opts) == "tiles"
+        and opts.vocab_sort
+        and filter_code != FILTER_OFF
+        and not opts.deterministic
+    )
 
 
 def shard_backward(
@@ -181,6 +191,22 @@ def shard_backward(
     needs: tuple[bool, bool, bool],
 ):
     """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``."""
+    if backward_path(opts) == "gemm":
+        return lce_backward_gemm(
+            hidden,
+            weight,
+            bias,
+            target_local,
+            rows.order,
+            rows.n_valid,
+            lse,
+            coefs,
+            softcap=opts.softcap,
+            scratch_bytes=opts.scratch_bytes,
+            want_hidden=needs[0],
+            want_weight=needs[1],
+            want_bias=needs[2],
+        )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
     if col_sum is not None and use_vocab_sort(opts, filter_code):

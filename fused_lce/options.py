@@ -26,11 +26,13 @@ import torch
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "cce", "chunked", "torch"]
 ChunkBy = Literal["vocab", "tokens"]
+Backward = Literal["auto", "gemm", "tiles"]
 FilterSpec = float | Literal["safe", "paper"] | None
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
+BACKWARDS = ("auto", "gemm", "tiles")
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/options.md).
 ENV_VOCAB_CHUNK = "FUSED_LCE_VOCAB_CHUNK"
@@ -39,7 +41,7 @@ ENV_SCRATCH_MB = "FUSED_LCE_SCRATCH_MB"
 
 DEFAULT_VOCAB_CHUNK = 4096
 DEFAULT_TOKEN_CHUNK = 1024
-DEFAULT_SCRATCH_MB = 64.0
+DEFAULT_SCRATCH_MB = 512.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -97,18 +99,22 @@ class LCEOptions:
     num_classes: int | None = None
     """Number of real classes; weight rows at or past it (vocabulary padding) are excluded.
     None means every weight row is a class."""
+    backward: Backward = "auto"
+    """The cce backward: "gemm" writes logit-gradient chunks that cuBLAS GEMMs consume (no
+    atomics, deterministic, every tile computed); "tiles" is the fused tile kernel of the paper
+    (atomics, gradient filtering, vocab sorting); "auto" picks gemm (docs/algorithm.md)."""
     filter_eps: FilterSpec = "safe"
-    """Gradient filtering in the cce backward (docs/algorithm.md):
+    """Gradient filtering in the tiles backward (docs/algorithm.md):
     "safe" skips a tile only if each of its rows holds less than eps * BLOCK_V / V of softmax
     mass, so a token drops at most eps = finfo.eps / 32 of its probability in total;
     "paper" (or a float) skips a tile whose softmax entries are all below eps (or the float);
     None or 0 computes every tile."""
     vocab_sort: bool = True
-    """Walk the vocabulary in order of mean logit in the cce backward, so negligible tiles cluster
-    (only used when filtering is on; off under ``deterministic``)."""
+    """Walk the vocabulary in order of mean logit in the tiles backward, so negligible tiles
+    cluster (only used when filtering is on; off under ``deterministic``)."""
     deterministic: bool = False
-    """Bitwise repeatable results: no order-dependent atomics (the cce backward then recomputes
-    logits twice, once for each gradient)."""
+    """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
+    backward then recomputes logits twice, once for each gradient)."""
     impl: Impl = "auto"
     """"cce" (Triton kernels), "chunked" (pure PyTorch), "torch" (full logits), or "auto"
     (cce on CUDA, chunked elsewhere)."""
@@ -121,8 +127,8 @@ class LCEOptions:
     token_chunk_size: int | None = None
     """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024)."""
     scratch_mb: float | None = None
-    """Upper bound on the cce backward's fp32 accumulation buffers in MiB
-    (env FUSED_LCE_SCRATCH_MB, 64). Smaller is leaner; see docs/algorithm.md."""
+    """Upper bound on the cce backward's buffers (fp32 accumulators, gradient chunks) in MiB
+    (env FUSED_LCE_SCRATCH_MB, 512). 16 gives the lean mode; see docs/algorithm.md."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -131,6 +137,8 @@ class LCEOptions:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
         if self.chunk_by not in CHUNK_BY:
             raise ValueError(f"chunk_by must be one of {CHUNK_BY}, got {self.chunk_by!r}")
         _check_float("label_smoothing", self.label_smoothing)

@@ -1,0 +1,268 @@
+"""Logit-gradient chunks for the GEMM backward: G for (token chunk x vocabulary chunk), in bf16.
+
+The fused tile backward (backward.py) sends dE and dC through atomics, one add per tile and
+hidden element; when little can be filtered (a near-uniform softmax, early in pretraining) those
+atomics dominate. This path instead writes G for a bounded chunk into a reused buffer and lets
+two GEMMs consume it, with no atomics at all:
+
+    dE[chunk rows] += G @ C[chunk cols]      (fp32 accumulation across vocabulary chunks)
+    dC[chunk cols]  = G.T @ E[chunk rows]    (one GEMM over every row when the chunk holds all)
+
+The kernel recomputes the logit tile exactly as the fused backward does (``_grad_tile``), so the
+two paths share their math. Rows past the last non-ignored token get G = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backward import _grad_tile
+from .common import TileConfig, dot_settings, gpu_family
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
+        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
+        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
+    }
+)
+@triton.jit
+def _grad_logits_kernel(
+    # pointers
+    e_ptr,
+    c_ptr,
+    bias_ptr,
+    row_order_ptr,
+    n_valid_ptr,
+    target_ptr,
+    lse_ptr,
+    p_coef_ptr,
+    tgt_coef_ptr,
+    smooth_coef_ptr,
+    g_ptr,
+    # sizes
+    row_start,
+    rows_in_chunk,
+    vocab_start,
+    vocab_in_chunk,
+    d_model,
+    # strides
+    stride_en,
+    stride_ed,
+    stride_cv,
+    stride_cd,
+    stride_gn,
+    # scalars
+    softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(rows_in_chunk, BLOCK_N)
+    num_v = tl.cdiv(vocab_in_chunk, BLOCK_V)
+    in_group = GROUP * num_v
+    first_n = (pid // in_group) * GROUP
+    group_size = tl.minimum(num_n - first_n, GROUP)
+    pid_n = first_n + (pid % in_group) % group_size
+    pid_v = (pid % in_group) // group_size
+
+    n_valid = tl.load(n_valid_ptr)
+    local_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_chunk = local_n < rows_in_chunk
+    row_mask = in_chunk & (row_start + local_n < n_valid)
+    local_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = local_v < vocab_in_chunk
+    g_ptrs = g_ptr + local_n.to(tl.int64)[:, None] * stride_gn + local_v[None, :]
+    out_mask = in_chunk[:, None] & col_mask[None, :]
+    out_dtype = g_ptr.dtype.element_ty
+
+    if row_start + pid_n * BLOCK_N >= n_valid:
+        tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), dtype=out_dtype), mask=out_mask)
+        return
+
+    rows = tl.load(row_order_ptr + row_start + local_n, mask=row_mask, other=0).to(tl.int64)
+    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
+    tgt_coef = tl.load(tgt_coef_ptr + rows, mask=row_mask, other=0.0)
+    smooth_coef = p_coef
+    if HAS_SMOOTHING:
+        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+    cols = (vocab_start + local_v).to(tl.int64)
+    # The hidden chunk is already gathered in row order: it is read by position, not by row id.
+    grad, _ = _grad_tile(
+        e_ptr, c_ptr, bias_ptr, local_n.to(tl.int64), cols, row_mask, col_mask,
+        target, lse, p_coef, tgt_coef, smooth_coef,
+        d_model, stride_en, stride_ed, stride_cv, stride_cd,
+        softcap, 0.0,
+        BLOCK_N, BLOCK_V, BLOCK_D,
+        0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, DOT_FP32, DOT_PRECISION,
+    )
+    tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
+
+
+_CONFIGS = {
+    "interpreter": TileConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=1),
+    "hopper": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    "blackwell": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    "ampere": TileConfig(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3),
+}
+
+
+def grad_logits_config(device: torch.device, dtype: torch.dtype) -> TileConfig:
+    cfg = _CONFIGS[gpu_family(device)]
+    if dtype == torch.float32 and device.type == "cuda":
+        cfg = TileConfig(cfg.block_n, 128, 32, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def grad_logits(
+    hidden_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    row_order: torch.Tensor,
+    n_valid: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    coefs,
+    out: torch.Tensor,
+    *,
+    row_start: int,
+    vocab_start: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Fill ``out`` (rows, cols) with G for the chunk's rows and ``weight[vocab_start:]`` columns.
+
+    Args:
+        hidden_chunk: (rows, D) hidden states of positions ``row_start:`` of ``row_order``.
+        out: (rows, cols) view of the reused buffer, unit column stride.
+    """
+    rows, cols = out.shape
+    cfg = grad_logits_config(hidden_chunk.device, hidden_chunk.dtype)
+    dot_fp32, precision = dot_settings(hidden_chunk.dtype)
+    grid = (triton.cdiv(rows, cfg.block_n) * triton.cdiv(cols, cfg.block_v),)
+    _grad_logits_kernel[grid](
+        hidden_chunk, weight, bias, row_order, n_valid, target_local, lse,
+        coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef, out,
+        row_start, rows, vocab_start, cols, hidden_chunk.shape[1],
+        hidden_chunk.stride(0), hidden_chunk.stride(1), weight.stride(0), weight.stride(1),
+        out.stride(0),
+        softcap,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=cfg.group,
+        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, with a and b in 16 bits, never rounding the product to 16 bits."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        # cuBLAS adds a 16-bit product into an fp32 output directly (beta = 1).
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def plan_gemm_chunks(
+    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int
+) -> tuple[int, int]:
+    """(rows, cols) per chunk: fp32 dE rows + gathered hidden rows + the G buffer fit the budget.
+
+    One token chunk covering every row is preferred: the weight gradient is then one GEMM per
+    vocabulary chunk, fp32-accumulated from start to end. The vocabulary chunk is kept at 1024
+    columns or more where the budget allows, for efficient GEMMs.
+    """
+    per_row = d_model * (4 + elem_bytes)
+    min_cols = min(1024, max(n_vocab, 1))
+    rows = n_rows
+    if rows * (per_row + min_cols * elem_bytes) > scratch_bytes:
+        rows = max(128, scratch_bytes // (per_row + min_cols * elem_bytes) // 128 * 128)
+        rows = min(rows, n_rows)
+    left = max(scratch_bytes - rows * per_row, 0)
+    cols = max(256, left // max(rows * elem_bytes, 1) // 256 * 256)
+    return max(rows, 1), min(cols, max(n_vocab, 1))
+
+
+def lce_backward_gemm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target_local: torch.Tensor,
+    row_order: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    coefs,
+    *,
+    softcap: float | None,
+    scratch_bytes: int,
+    want_hidden: bool = True,
+    want_weight: bool = True,
+    want_bias: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
+
+    Arguments as for ``backward.lce_backward``. The token chunks walk positions of ``row_order``
+    (non-ignored rows first); G rows of ignored tokens are zero, so they add nothing.
+    """
+    n_rows, d_model = hidden.shape
+    n_vocab = weight.shape[0]
+    want_bias = want_bias and bias is not None
+    d_hidden = torch.empty_like(hidden) if want_hidden else None
+    d_weight = torch.empty_like(weight) if want_weight else None
+    d_bias = torch.zeros((n_vocab,), device=hidden.device, dtype=torch.float32) if want_bias else None
+    if n_rows == 0 or n_vocab == 0:
+        for grad in (d_hidden, d_weight):
+            if grad is not None:
+                grad.zero_()
+        return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+
+    chunk_rows, chunk_cols = plan_gemm_chunks(
+        n_rows, n_vocab, d_model, hidden.element_size(), scratch_bytes
+    )
+    g_buffer = torch.empty((chunk_rows, chunk_cols), device=hidden.device, dtype=hidden.dtype)
+    d_hidden_acc = (
+        torch.empty((chunk_rows, d_model), device=hidden.device, dtype=torch.float32)
+        if want_hidden
+        else None
+    )
+    for row_start in range(0, n_rows, chunk_rows):
+        rows = min(chunk_rows, n_rows - row_start)
+        positions = row_order[row_start : row_start + rows].long()
+        hidden_chunk = hidden.index_select(0, positions)
+        if d_hidden_acc is not None:
+            d_hidden_acc[:rows].zero_()
+        for vocab_start in range(0, n_vocab, chunk_cols):
+            cols = min(chunk_cols, n_vocab - vocab_start)
+            g = grad_logits(
+                hidden_chunk, weight, bias, row_order, n_valid, target_local, lse, coefs,
+                g_buffer[:rows, :cols], row_start=row_start, vocab_start=vocab_start,
+                softcap=softcap,
+            )
+            weight_chunk = weight[vocab_start : vocab_start + cols]
+            if d_hidden_acc is not None:
+                _accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
+            if d_weight is not None:
+                dest = d_weight[vocab_start : vocab_start + cols]
+                if row_start == 0:
+                    torch.mm(g.t(), hidden_chunk, out=dest)
+                else:
+                    dest.addmm_(g.t(), hidden_chunk)
+            if d_bias is not None:
+                d_bias[vocab_start : vocab_start + cols] += g.sum(dim=0, dtype=torch.float32)
+        if d_hidden is not None:
+            d_hidden.index_copy_(0, positions, d_hidden_acc[:rows].to(hidden.dtype))
+    return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
