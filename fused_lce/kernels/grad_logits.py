@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .backward import _grad_tile
-from .common import TileConfig, dot_settings, gpu_family
+from .common import TileConfig, dot_settings, gpu_family, num_sms
 
 
 @triton.heuristics(
@@ -178,23 +178,31 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def plan_gemm_chunks(
-    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int
+    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int, min_tiles: int
 ) -> tuple[int, int]:
-    """(rows, cols) per chunk: fp32 dE rows + gathered hidden rows + the G buffer fit the budget.
+    """(rows, cols) per chunk so that the chunk's buffers fit ``scratch_bytes``.
 
-    One token chunk covering every row is preferred: the weight gradient is then one GEMM per
-    vocabulary chunk, fp32-accumulated from start to end. The vocabulary chunk is kept at 1024
-    columns or more where the budget allows, for efficient GEMMs.
+    A token chunk holds an fp32 dE accumulator and the gathered hidden rows (``d_model * (4 +
+    elem_bytes)`` bytes a row); the G buffer takes ``rows * cols * elem_bytes``. One chunk of
+    every row is preferred: the weight gradient is then one GEMM per vocabulary chunk,
+    accumulated in fp32 from start to end. Under a tight budget the rows shrink until a G chunk
+    still has ``min_tiles`` tiles of 128 x 256 (a full wave of the GPU) and at least 1024 columns.
     """
     per_row = d_model * (4 + elem_bytes)
-    min_cols = min(1024, max(n_vocab, 1))
+
+    def cols_for(rows: int) -> int:
+        left = scratch_bytes - rows * per_row
+        return (left // (rows * elem_bytes)) // 256 * 256 if left > 0 else 0
+
     rows = n_rows
-    if rows * (per_row + min_cols * elem_bytes) > scratch_bytes:
-        rows = max(128, scratch_bytes // (per_row + min_cols * elem_bytes) // 128 * 128)
-        rows = min(rows, n_rows)
-    left = max(scratch_bytes - rows * per_row, 0)
-    cols = max(256, left // max(rows * elem_bytes, 1) // 256 * 256)
-    return max(rows, 1), min(cols, max(n_vocab, 1))
+    if cols_for(rows) < min(1024, n_vocab):
+        rows = max(128, n_rows // 128 * 128)
+        while rows > 128 and (
+            cols_for(rows) < 1024 or (rows // 128) * (cols_for(rows) // 256) < min_tiles
+        ):
+            rows -= 128
+    cols = max(256, cols_for(rows))
+    return max(min(rows, n_rows), 1), min(cols, max(n_vocab, 1))
 
 
 def lce_backward_gemm(
@@ -230,8 +238,11 @@ def lce_backward_gemm(
                 grad.zero_()
         return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
+    # The per-token vectors (lse, coefficients, row order) and the fp32 bias gradient live
+    # beside the chunk buffers: keep them inside the budget too.
+    buffers = scratch_bytes - n_rows * 32 - (n_vocab * 4 if want_bias else 0)
     chunk_rows, chunk_cols = plan_gemm_chunks(
-        n_rows, n_vocab, d_model, hidden.element_size(), scratch_bytes
+        n_rows, n_vocab, d_model, hidden.element_size(), buffers, num_sms(hidden.device)
     )
     g_buffer = torch.empty((chunk_rows, chunk_cols), device=hidden.device, dtype=hidden.dtype)
     d_hidden_acc = (
@@ -264,5 +275,7 @@ def lce_backward_gemm(
             if d_bias is not None:
                 d_bias[vocab_start : vocab_start + cols] += g.sum(dim=0, dtype=torch.float32)
         if d_hidden is not None:
-            d_hidden.index_copy_(0, positions, d_hidden_acc[:rows].to(hidden.dtype))
+            # The gathered hidden rows are no longer needed: reuse them to stage the cast.
+            hidden_chunk.copy_(d_hidden_acc[:rows])
+            d_hidden.index_copy_(0, positions, hidden_chunk)
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
