@@ -119,6 +119,7 @@ def _lse_forward_kernel(
         tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
 
 
+# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu_h100_202611).
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.
     "interpreter": TileConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=1),

@@ -1,0 +1,94 @@
+"""Time the Triton kernels under several tile configs on this GPU; print a table, best first.
+
+    python scripts/tune_kernels.py --model gemma2_2b --tokens 8192
+
+We pin one config per GPU family in the kernel files (no autotuning at run time, for fast start-up
+and reproducible results); this script is how those pins are chosen. It times the linear-log-sum-exp
+forward and the logit-gradient kernel of the GEMM backward at a model's shape, beside the cuBLAS
+GEMM of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fused_lce.configs import load_model_config  # noqa: E402
+from fused_lce.function import grad_coefficients, prepare_rows  # noqa: E402
+from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
+from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
+from fused_lce.kernels.common import TileConfig  # noqa: E402
+from fused_lce.options import LCEOptions  # noqa: E402
+
+CANDIDATES = [
+    TileConfig(128, 256, 64, 8, 3),
+    TileConfig(128, 256, 64, 8, 4),
+    TileConfig(128, 256, 32, 8, 4),
+    TileConfig(128, 128, 64, 4, 4),
+    TileConfig(128, 128, 64, 8, 4),
+    TileConfig(256, 128, 64, 8, 3),
+    TileConfig(64, 256, 64, 4, 4),
+    TileConfig(128, 128, 128, 8, 3),
+]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gemma2_2b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab-chunk", type=int, default=16384)
+    args = parser.parse_args(argv)
+    from triton.testing import do_bench
+
+    cfg = load_model_config(args.model)
+    n, v, d = args.tokens, cfg.vocab_size, cfg.hidden_size
+    torch.manual_seed(0)
+    hidden = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) * 0.02
+    target = torch.randint(0, v, (n,), device="cuda")
+    rows = prepare_rows(target, -100)
+    mm_ms = do_bench(lambda: hidden @ weight.t(), rep=300, return_mode="median")
+    print(f"# {torch.cuda.get_device_name()} {args.model} N={n} V={v} D={d}: "
+          f"cuBLAS N·V·D mm {mm_ms:.2f} ms")
+
+    family = "hopper"
+    for cand in CANDIDATES:
+        lse_module._CONFIGS[family] = cand
+        try:
+            ms = do_bench(lambda: lse_module.lse_forward(hidden, weight, None, rows.order,
+                                                         rows.n_valid),
+                          rep=300, return_mode="median")
+            print(f"lse_forward  {cand}: {ms:7.2f} ms  ({mm_ms / ms:4.0%} of cuBLAS)", flush=True)
+        except Exception as exc:  # a config the GPU cannot run (shared memory)
+            print(f"lse_forward  {cand}: failed ({type(exc).__name__})")
+
+    stats = lse_module.lse_forward(hidden, weight, None, rows.order, rows.n_valid)
+    lse = stats.lse
+    grad = torch.full((n,), 1.0 / n, device="cuda")
+    coefs = grad_coefficients(grad, None, lse, rows.valid, LCEOptions(), v)
+    target_local = target.to(torch.int32)
+    cols = min(args.vocab_chunk, v)
+    buf = torch.empty((n, cols), device="cuda", dtype=torch.bfloat16)
+    chunk_mm = do_bench(lambda: hidden @ weight[:cols].t(), rep=300, return_mode="median")
+    for cand in CANDIDATES:
+        grad_logits_module._CONFIGS[family] = cand
+
+        def run():
+            grad_logits_module.grad_logits(hidden, weight, None, rows.order, rows.n_valid,
+                                           target_local, lse, coefs, buf, row_start=0,
+                                           vocab_start=0, softcap=None)
+        try:
+            ms = do_bench(run, rep=300, return_mode="median")
+            print(f"grad_logits  {cand}: {ms:7.3f} ms per {cols}-column chunk "
+                  f"({chunk_mm / ms:4.0%} of cuBLAS)", flush=True)
+        except Exception as exc:
+            print(f"grad_logits  {cand}: failed ({type(exc).__name__})")
+
+
+if __name__ == "__main__":
+    main()
