@@ -178,6 +178,9 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
+MAX_CHUNK_COLS = 4096
+
+
 def plan_gemm_chunks(
     n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int, min_tiles: int
 ) -> tuple[int, int]:
@@ -188,6 +191,7 @@ def plan_gemm_chunks(
     every row is preferred: the weight gradient is then one GEMM per vocabulary chunk,
     accumulated in fp32 from start to end. Under a tight budget the rows shrink until a G chunk
     still has ``min_tiles`` tiles of 128 x 256 (a full wave of the GPU) and at least 1024 columns.
+    Chunks never exceed ``MAX_CHUNK_COLS`` columns, so small problems use less than the budget.
     """
     per_row = d_model * (4 + elem_bytes)
 
@@ -202,7 +206,8 @@ def plan_gemm_chunks(
             cols_for(rows) < 1024 or (rows // 128) * (cols_for(rows) // 256) < min_tiles
         ):
             rows -= 128
-    cols = max(256, cols_for(rows))
+    # Past a few thousand columns the GEMMs gain nothing: do not take memory for them.
+    cols = min(max(256, cols_for(rows)), MAX_CHUNK_COLS)
     return max(min(rows, n_rows), 1), min(cols, max(n_vocab, 1))
 
 
