@@ -191,7 +191,7 @@ def plan_gemm_chunks(
     every row is preferred: the weight gradient is then one GEMM per vocabulary chunk,
     accumulated in fp32 from start to end. Under a tight budget the rows shrink until a G chunk
     still has ``min_tiles`` tiles of 128 x 256 (a full wave of the GPU) and at least 1024 columns.
-    Chunks never exceed ``MAX_CHUNK_COLS`` columns, so small problems use less than the budget.
+    A chunk of every row stops at ``MAX_CHUNK_COLS`` columns, so small problems leave budget unused.
     """
     per_row = d_model * (4 + elem_bytes)
 
@@ -206,8 +206,11 @@ def plan_gemm_chunks(
             cols_for(rows) < 1024 or (rows // 128) * (cols_for(rows) // 256) < min_tiles
         ):
             rows -= 128
-    # Past a few thousand columns the GEMMs gain nothing: do not take memory for them.
-    cols = min(max(256, cols_for(rows)), MAX_CHUNK_COLS)
+    cols = max(256, cols_for(rows))
+    if rows >= n_rows:
+        # Every row fits: past a few thousand columns the GEMMs gain nothing, so do not take
+        # memory for them. (Under a tight budget wide chunks are what keeps the GPU full.)
+        cols = min(cols, MAX_CHUNK_COLS)
     return max(min(rows, n_rows), 1), min(cols, max(n_vocab, 1))
 
 
