@@ -35,9 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .options import LCEOptions
-
-# (p_coef, tgt_coef, smooth_coef) per token, each (rows,); smooth_coef is None without smoothing.
-Coefficients = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+from .terms import GradCoefficients, grad_coefficients, token_loss
 
 
 def chunked_linear_cross_entropy(
@@ -173,56 +171,10 @@ def _local_target(
     return local.clamp(0, width - 1).unsqueeze(1), hit
 
 
-def _token_loss(
-    lse: torch.Tensor,
-    target_logit: torch.Tensor,
-    row_sum: torch.Tensor | None,
-    num_classes: int,
-    opts: LCEOptions,
-) -> torch.Tensor:
-    """Per-token loss (rows,) from the lse, the target logit and the row sum of logits (rows,).
-
-    ``row_sum`` is only read with label smoothing, whose uniform term needs mean_v z_v.
-    """
-    loss = lse - target_logit
-    if opts.label_smoothing > 0:
-        ls = opts.label_smoothing
-        loss = (1.0 - ls) * loss + ls * (lse - row_sum / num_classes)
-    if opts.z_loss > 0:
-        loss = loss + opts.z_loss * lse * lse
-    return loss
-
-
-def _grad_coefficients(
-    g: torch.Tensor,
-    lse: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    num_classes: int,
-    opts: LCEOptions,
-) -> Coefficients:
-    """Per-token factors of softmax, one-hot and uniform in the logit gradient.
-
-    Args:
-        g: (rows,) upstream gradient of each token's loss.
-        lse: (rows,) the tokens' lse.
-        grad_lse: (rows,) upstream gradient of the returned lse, or None.
-        num_classes: V, the number of real classes.
-        opts: the call's options (label smoothing and z-loss).
-    """
-    p_coef = g if opts.z_loss == 0 else g * (1.0 + 2.0 * opts.z_loss * lse)
-    if grad_lse is not None:
-        p_coef = p_coef + grad_lse
-    tgt_coef = g * (1.0 - opts.label_smoothing)
-    smooth_coef = None
-    if opts.label_smoothing > 0:
-        smooth_coef = g * (opts.label_smoothing / num_classes)
-    return p_coef, tgt_coef, smooth_coef
-
-
 def _logit_grad_(
     z: torch.Tensor,
     lse: torch.Tensor,
-    coefs: Coefficients,
+    coefs: GradCoefficients,
     local: torch.Tensor,
     hit: torch.Tensor | None,
     softcap: float | None,
@@ -232,7 +184,7 @@ def _logit_grad_(
     Args:
         z: (rows, cols) soft-capped logits of the chunk, compute dtype; overwritten.
         lse: (rows,) the tokens' full-vocabulary lse.
-        coefs: from :func:`_grad_coefficients`.
+        coefs: from :func:`fused_lce.terms.grad_coefficients`.
         local: (rows, 1) target column within the chunk, from :func:`_local_target`.
         hit: (rows,) whether the target is in the chunk; None means always.
         softcap: the soft-capping constant, or None.
@@ -240,7 +192,7 @@ def _logit_grad_(
     Returns:
         ``z``, now holding dL/dx (rows, cols).
     """
-    p_coef, tgt_coef, smooth_coef = coefs
+    p_coef, tgt_coef, smooth_coef = coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef
     # tanh' recovered from the capped value itself; taken before z turns into probabilities.
     slope = None if softcap is None else 1.0 - (z / softcap).square_()
     grad = z.sub_(lse.unsqueeze(1)).exp_().mul_(p_coef.unsqueeze(1))
@@ -324,7 +276,7 @@ def _vocab_forward(
             row_sum.add_(z.sum(dim=1))
         _fold_into_lse_(z, run_max, run_sum)
     lse = run_max + run_sum.log()
-    return _token_loss(lse, target_logit, row_sum, num_classes, opts), lse
+    return token_loss(lse, target_logit, row_sum, num_classes, opts), lse
 
 
 def _vocab_backward(
@@ -333,7 +285,7 @@ def _vocab_backward(
     bias: torch.Tensor | None,
     target: torch.Tensor,
     lse: torch.Tensor,
-    coefs: Coefficients,
+    coefs: GradCoefficients,
     opts: LCEOptions,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -341,7 +293,7 @@ def _vocab_backward(
 
     Args:
         hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,); lse: (rows,).
-        coefs: per-token coefficients from :func:`_grad_coefficients`.
+        coefs: per-token coefficients from :func:`fused_lce.terms.grad_coefficients`.
         opts: the call's options.
         needs: whether hidden, weight, bias need a gradient.
 
@@ -429,7 +381,7 @@ class _VocabChunkedLCE(torch.autograd.Function):
             return (*_zeros_where_needed((hidden, weight, bias), needs), None, None)
         g = _upstream_token_grad(grad_loss, rows, n_valid, opts.reduction, lse)
         grad_lse = None if grad_lse is None else _take(grad_lse.to(lse.dtype), rows)
-        coefs = _grad_coefficients(g, lse, grad_lse, weight.shape[0], opts)
+        coefs = grad_coefficients(g, lse, grad_lse, weight.shape[0], opts)
         d_hidden, d_weight, d_bias = _vocab_backward(
             _take(hidden, rows), weight, bias, _take(target, rows), lse, coefs, opts, needs
         )
@@ -485,11 +437,11 @@ def _token_chunks(
         lse[start:stop] = lse_chunk
         row_sum = z.sum(dim=1) if opts.label_smoothing > 0 else None
         target_logit = z.gather(1, local).squeeze(1)
-        loss_sum += _token_loss(lse_chunk, target_logit, row_sum, num_classes, opts).sum()
+        loss_sum += token_loss(lse_chunk, target_logit, row_sum, num_classes, opts).sum()
         if not any(needs):
             continue
         g = lse_chunk.new_full(lse_chunk.shape, scale)
-        coefs = _grad_coefficients(g, lse_chunk, None, num_classes, opts)
+        coefs = grad_coefficients(g, lse_chunk, None, num_classes, opts)
         grad = _logit_grad_(z, lse_chunk, coefs, local, None, opts.softcap)
         if need_b:
             d_bias.add_(grad.sum(dim=0))

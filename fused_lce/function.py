@@ -2,9 +2,9 @@
 
 The pieces here are also the building blocks of the vocab-parallel layer (fused_lce.parallel):
 ``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernels on one weight
-shard, ``token_loss`` and ``grad_coefficients`` turn global statistics into losses and into the
-backward's per-row coefficients, and ``shard_backward`` runs the fused backward on one shard.
-Nothing in this file talks to other ranks.
+shard, ``masked_token_loss`` and ``masked_grad_coefficients`` turn global statistics into losses
+and into the backward's per-row coefficients, and ``shard_backward`` runs the backward on one
+shard. Nothing in this file talks to other ranks.
 """
 
 from __future__ import annotations
@@ -13,18 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.backward import (
-    FILTER_ENTRY,
-    FILTER_MASS,
-    FILTER_OFF,
-    GradCoefficients,
-    backward_config,
-    lce_backward,
-)
+from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import LSEStats, lse_forward
 from .options import LCEOptions
+from .terms import GradCoefficients, grad_coefficients, token_loss
 
 _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
@@ -85,7 +79,7 @@ def shard_statistics(
     return stats, target_logit
 
 
-def token_loss(
+def masked_token_loss(
     lse: torch.Tensor,
     target_logit: torch.Tensor,
     row_sum: torch.Tensor | None,
@@ -94,12 +88,7 @@ def token_loss(
     n_classes: int,
 ) -> torch.Tensor:
     """Per-token loss (N,) from global statistics; 0 for ignored tokens."""
-    loss = lse - target_logit
-    if opts.label_smoothing > 0:
-        smooth = lse - row_sum / n_classes
-        loss = (1.0 - opts.label_smoothing) * loss + opts.label_smoothing * smooth
-    if opts.z_loss > 0:
-        loss = loss + opts.z_loss * lse * lse
+    loss = token_loss(lse, target_logit, row_sum, n_classes, opts)
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
@@ -124,7 +113,7 @@ def loss_gradient_per_token(
     return grad_loss.expand(n_rows)
 
 
-def grad_coefficients(
+def masked_grad_coefficients(
     grad_token: torch.Tensor,
     grad_lse: torch.Tensor | None,
     lse: torch.Tensor,
@@ -132,18 +121,12 @@ def grad_coefficients(
     opts: LCEOptions,
     n_classes: int,
 ) -> GradCoefficients:
-    """Per-row coefficients of softmax, target one-hot and uniform terms in the logit gradient."""
+    """The logit gradient's per-row coefficients, zero for ignored rows."""
     zero = torch.zeros_like(grad_token)
     g = torch.where(valid, grad_token, zero)
-    p_coef = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss > 0 else g
     if grad_lse is not None:
-        p_coef = p_coef + torch.where(valid, grad_lse.float(), zero)
-    p_coef = torch.where(valid, p_coef, zero)
-    tgt_coef = g * (1.0 - opts.label_smoothing)
-    smooth_coef = g * (opts.label_smoothing / n_classes) if opts.label_smoothing > 0 else None
-    return GradCoefficients(
-        p_coef=p_coef.contiguous(), tgt_coef=tgt_coef.contiguous(), smooth_coef=smooth_coef
-    )
+        grad_lse = torch.where(valid, grad_lse.float(), zero)
+    return grad_coefficients(g, torch.where(valid, lse, zero), grad_lse, n_classes, opts)
 
 
 def filter_settings(
@@ -245,7 +228,7 @@ class CCEFunction(torch.autograd.Function):
             hidden, weight, bias, target, rows, opts, want_col_sum=want_col_sum
         )
         lse = torch.where(rows.valid, stats.lse, torch.zeros_like(stats.max))
-        loss = token_loss(lse, target_logit, stats.row_sum, rows.valid, opts, n_classes)
+        loss = masked_token_loss(lse, target_logit, stats.row_sum, rows.valid, opts, n_classes)
         loss = reduce_tokens(loss, rows.n_valid, opts.reduction)
 
         ctx.save_for_backward(hidden, weight, bias, target, lse, stats.col_sum)
@@ -267,7 +250,7 @@ class CCEFunction(torch.autograd.Function):
             grad_token = torch.zeros((n_rows,), device=hidden.device, dtype=torch.float32)
         else:
             grad_token = loss_gradient_per_token(grad_loss, n_rows, rows.n_valid, opts.reduction)
-        coefs = grad_coefficients(grad_token, grad_lse, lse, rows.valid, opts, n_classes)
+        coefs = masked_grad_coefficients(grad_token, grad_lse, lse, rows.valid, opts, n_classes)
         target_local = local_targets(target, rows.valid, 0, n_classes)
         d_hidden, d_weight, d_bias = shard_backward(
             hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs

@@ -9,16 +9,16 @@ keeps the total under 16 MiB with cuBLAS's temporaries;
 paper's filter; ``cce-det``; ``chunked``),
 ``torch`` (eager full logits), ``torch.compile`` (the same function compiled), and, when
 installed, ``liger`` (liger-kernel's fused linear cross-entropy) and ``apple-cce``
-(cut-cross-entropy). Times are medians of ``triton.testing.do_bench`` (the backward is forward+backward minus forward,
-the forward running with autograd on); "extra memory" is the peak
+(cut-cross-entropy). Times are medians of ``triton.testing.do_bench`` (the backward is
+forward+backward minus forward, the forward running with autograd on); "extra memory" is the peak
 allocated during forward+backward above the inputs and the gradient buffers.
 
 Data regimes (``make_inputs``):
 - ``uniform``: random initialisation; logits ~ N(0, 0.02^2 * D), a near-uniform softmax.
 - ``trained``: a trained-like softmax: a Zipf(1.1) unigram prior sharpened to a log-log slope of
-  about -2 (as measured on trained LMs) and carried by one hidden dimension, context noise of about
-  one nat from random directions, and an 8-nat boost of each token's target. The script prints the softmax
-  statistics it produced (target probability, entries above 2^-12 per row).
+  about -2 (as measured on trained LMs) and carried by one hidden dimension, context noise of
+  about one nat from random directions, and an 8-nat boost of each token's target. The script
+  prints the softmax statistics it produced (target probability, entries above 2^-12 per row).
 
 It prints a table, writes ``results.csv`` and ``time_vs_memory.png`` under ``--out``, and reports
 TFLOP/s (counting 2·N·V·D per matmul: 1 forward, 3 backward for the recomputing methods) beside the
@@ -76,7 +76,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int = 0):
         weight[:, 0] = 2.0 * (unigram.log() - unigram.log().mean()).float() / 4.0
         hidden[:, 0] = 4.0
         # Boost the target: its logit gains about 8 nats over the context noise.
-        hidden[:, 1:] += 8.0 * weight[target, 1:] / weight[target, 1:].norm(dim=1, keepdim=True) ** 2
+        direction = weight[target, 1:]
+        hidden[:, 1:] += 8.0 * direction / direction.norm(dim=1, keepdim=True) ** 2
     else:
         raise ValueError(f"unknown regime {case.regime!r}")
     return (
@@ -197,7 +198,8 @@ def main(argv=None) -> None:
 
     import triton
 
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
     chosen = providers(args.providers)
     rows = []
     for model in args.models:

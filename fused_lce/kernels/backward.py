@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..terms import GradCoefficients
 from .common import TileConfig, dot_settings, gpu_family, logits_tile, tanh
 
 FILTER_OFF, FILTER_ENTRY, FILTER_MASS = 0, 1, 2
@@ -266,15 +267,6 @@ _CONFIGS = {
 
 def backward_config(device: torch.device) -> TileConfig:
     return _CONFIGS[gpu_family(device)]
-
-
-@dataclass
-class GradCoefficients:
-    """Per-row coefficients of the logit gradient, (N,) fp32 each, zero for ignored rows."""
-
-    p_coef: torch.Tensor
-    tgt_coef: torch.Tensor
-    smooth_coef: torch.Tensor | None
 
 
 @dataclass

@@ -240,7 +240,9 @@ def lce_backward_gemm(
     want_bias = want_bias and bias is not None
     d_hidden = torch.empty_like(hidden) if want_hidden else None
     d_weight = torch.empty_like(weight) if want_weight else None
-    d_bias = torch.zeros((n_vocab,), device=hidden.device, dtype=torch.float32) if want_bias else None
+    d_bias = (
+        torch.zeros((n_vocab,), device=hidden.device, dtype=torch.float32) if want_bias else None
+    )
     if n_rows == 0 or n_vocab == 0:
         for grad in (d_hidden, d_weight):
             if grad is not None:
