@@ -245,17 +245,20 @@ def _fold_into_lse_(z: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tenso
     run_max.copy_(new_max)
 
 
-def _vocab_forward(
+def vocab_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
     opts: LCEOptions,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (loss, lse), each (rows,), for non-ignored tokens only.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(max, sum of exp(z - max), row sum or None, target logit) per row over ``weight``'s classes.
+
+    The statistics a vocabulary shard contributes; the target logit is 0 where the target is
+    not one of ``weight``'s rows (``target`` outside [0, V), e.g. -1 for another shard's class).
 
     Args:
-        hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,) in [0, V).
+        hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,).
     """
     rows, num_classes = hidden.shape[0], weight.shape[0]
     chunk = min(opts.vocab_chunk, num_classes)
@@ -275,11 +278,27 @@ def _vocab_forward(
         if row_sum is not None:
             row_sum.add_(z.sum(dim=1))
         _fold_into_lse_(z, run_max, run_sum)
+    return run_max, run_sum, row_sum, target_logit
+
+
+def _vocab_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    opts: LCEOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (loss, lse), each (rows,), for non-ignored tokens only.
+
+    Args:
+        hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,) in [0, V).
+    """
+    run_max, run_sum, row_sum, target_logit = vocab_statistics(hidden, weight, bias, target, opts)
     lse = run_max + run_sum.log()
-    return token_loss(lse, target_logit, row_sum, num_classes, opts), lse
+    return token_loss(lse, target_logit, row_sum, weight.shape[0], opts), lse
 
 
-def _vocab_backward(
+def vocab_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -289,7 +308,10 @@ def _vocab_backward(
     opts: LCEOptions,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients for non-ignored tokens, recomputing the logits chunk by chunk.
+    """Gradients for the given rows, recomputing the logits chunk by chunk.
+
+    ``lse`` is over every class (every shard's), so on a vocabulary shard this gives the shard's
+    own d_weight and its partial d_hidden; ``target`` outside [0, V) adds no one-hot term.
 
     Args:
         hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,); lse: (rows,).
@@ -382,7 +404,7 @@ class _VocabChunkedLCE(torch.autograd.Function):
         g = _upstream_token_grad(grad_loss, rows, n_valid, opts.reduction, lse)
         grad_lse = None if grad_lse is None else _take(grad_lse.to(lse.dtype), rows)
         coefs = grad_coefficients(g, lse, grad_lse, weight.shape[0], opts)
-        d_hidden, d_weight, d_bias = _vocab_backward(
+        d_hidden, d_weight, d_bias = vocab_backward(
             _take(hidden, rows), weight, bias, _take(target, rows), lse, coefs, opts, needs
         )
         if d_hidden is not None:

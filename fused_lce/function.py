@@ -172,6 +172,7 @@ def shard_backward(
     opts: LCEOptions,
     n_classes: int,
     needs: tuple[bool, bool, bool],
+    d_hidden_dtype: torch.dtype | None = None,
 ):
     """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``."""
     if backward_path(opts) == "gemm":
@@ -189,6 +190,7 @@ def shard_backward(
             want_hidden=needs[0],
             want_weight=needs[1],
             want_bias=needs[2],
+            d_hidden_dtype=d_hidden_dtype,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
@@ -212,6 +214,7 @@ def shard_backward(
         want_hidden=needs[0],
         want_weight=needs[1],
         want_bias=needs[2],
+        d_hidden_dtype=d_hidden_dtype,
     )
 
 

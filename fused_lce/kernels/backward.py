@@ -314,8 +314,10 @@ def lce_backward(
     want_hidden: bool = True,
     want_weight: bool = True,
     want_bias: bool = True,
+    d_hidden_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(d_hidden, d_weight, d_bias) in the inputs' dtypes, accumulated in fp32.
+    """(d_hidden, d_weight, d_bias) in the inputs' dtypes (d_hidden: ``d_hidden_dtype`` if
+    given), accumulated in fp32.
 
     Args:
         hidden: (N, D); weight: (V, D); bias: (V,) or None.
@@ -331,7 +333,8 @@ def lce_backward(
     dot_fp32, precision = dot_settings(hidden.dtype)
     want_bias = want_bias and bias is not None
 
-    d_hidden = torch.empty_like(hidden) if want_hidden else None
+    d_hidden_dtype = d_hidden_dtype or hidden.dtype
+    d_hidden = torch.empty_like(hidden, dtype=d_hidden_dtype) if want_hidden else None
     d_weight = torch.empty_like(weight) if want_weight else None
     d_bias_acc = torch.zeros((n_vocab,), device=device, dtype=torch.float32) if want_bias else None
     if n_rows == 0 or n_vocab == 0:
@@ -400,7 +403,7 @@ def lce_backward(
         if d_hidden is not None:
             # Positions past n_valid hold ignored rows: their scratch stayed zero.
             positions = row_order[row_start : row_start + rows].long()
-            d_hidden.index_copy_(0, positions, de_scratch[:rows].to(hidden.dtype))
+            d_hidden.index_copy_(0, positions, de_scratch[:rows].to(d_hidden_dtype))
 
     d_bias = None if d_bias_acc is None else d_bias_acc.to(bias.dtype)
     return d_hidden, d_weight, d_bias

@@ -229,16 +229,19 @@ def lce_backward_gemm(
     want_hidden: bool = True,
     want_weight: bool = True,
     want_bias: bool = True,
+    d_hidden_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
-    Arguments as for ``backward.lce_backward``. The token chunks walk positions of ``row_order``
+    Arguments as for ``backward.lce_backward``; ``d_hidden_dtype`` (default: hidden's) lets a
+    vocabulary shard hand its partial d_hidden to the all-reduce in fp32. The token chunks walk positions of ``row_order``
     (non-ignored rows first); G rows of ignored tokens are zero, so they add nothing.
     """
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     want_bias = want_bias and bias is not None
-    d_hidden = torch.empty_like(hidden) if want_hidden else None
+    d_hidden_dtype = d_hidden_dtype or hidden.dtype
+    d_hidden = torch.empty_like(hidden, dtype=d_hidden_dtype) if want_hidden else None
     d_weight = torch.empty_like(weight) if want_weight else None
     d_bias = (
         torch.zeros((n_vocab,), device=hidden.device, dtype=torch.float32) if want_bias else None
@@ -286,7 +289,9 @@ def lce_backward_gemm(
             if d_bias is not None:
                 d_bias[vocab_start : vocab_start + cols] += g.sum(dim=0, dtype=torch.float32)
         if d_hidden is not None:
-            # The gathered hidden rows are no longer needed: reuse them to stage the cast.
-            hidden_chunk.copy_(d_hidden_acc[:rows])
-            d_hidden.index_copy_(0, positions, hidden_chunk)
+            staged = d_hidden_acc[:rows]
+            if d_hidden_dtype != staged.dtype:
+                # The gathered hidden rows are no longer needed: reuse them to stage the cast.
+                staged = hidden_chunk.copy_(staged)
+            d_hidden.index_copy_(0, positions, staged)
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
