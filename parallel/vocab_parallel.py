@@ -1,0 +1,399 @@
+"""Vocab-parallel cut cross-entropy: each tensor-parallel rank holds a shard of the classifier.
+
+Rank r holds rows ``[start_r, start_r + V_r)`` of the (V, D) classifier weight. Every rank sees all
+N tokens (with sequence parallelism it holds N / TP of them and gathers the rest). The loss needs
+per token only the global log-sum-exp, the target logit and (for label smoothing) the sum of
+logits, all of which combine across shards:
+
+    M   = max_r m_r                                  (one all-reduce MAX)
+    S   = sum_r s_r exp(m_r - M),  lse = M + log S   (packed into one all-reduce SUM with
+    z_y = sum_r z_y,r  (0 off the owning rank)        the target logit and the row sum)
+
+Each shard's (m_r, s_r) come from the same kernels as the single-device op, so nothing of size
+N x V_r is ever stored. The backward recomputes each shard's logit tiles against the global lse
+(with the single-device backward, filtering included: the filter's budget is set by the global V)
+and writes that shard's weight gradient locally; the partial input gradients are summed.
+
+Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
+
+    forward   SP only: all-gather hidden   [N/TP x D -> N x D], input dtype
+              all-reduce MAX               [N] fp32
+              all-reduce SUM               [2N] fp32, [3N] with label smoothing
+    backward  SP only: all-gather hidden   [N/TP x D -> N x D], input dtype (re-gathered rather
+                                            than saved: saves (TP-1)/TP of N x D per layer)
+              all-reduce SUM d_hidden       [N x D] fp32, or with SP
+              reduce-scatter d_hidden       [N x D -> N/TP x D] fp32
+    once      all-gather of shard sizes     [TP x 2] int64, only when ``vocab_start_index`` is
+                                            not given (cached per group and size)
+    debug     all-gather of shapes          [TP x 4] int64, only with ``debug=True``
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fused_lce.api import resolve_impl, validate
+from fused_lce.options import LCEOptions
+from fused_lce.terms import GradCoefficients, grad_coefficients, token_loss
+
+from . import comm
+
+_SHARD_STARTS: dict[tuple, tuple[int, int]] = {}
+
+
+def vocab_parallel_linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    vocab_start_index: int | None = None,
+    vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    impl: str = "auto",
+    return_lse: bool = False,
+    backward: str = "auto",
+    filter_eps: float | str | None = "safe",
+    vocab_sort: bool = True,
+    deterministic: bool = False,
+    vocab_chunk_size: int | None = None,
+    scratch_mb: float | None = None,
+    check_targets: bool = True,
+    debug: bool = False,
+):
+    """Linear cross-entropy with the classifier split over the vocabulary across ``group``.
+
+    The result, and each rank's gradients, equal :func:`fused_lce.linear_cross_entropy` on the
+    concatenated weight: every rank returns the same loss, the gradient of its own weight shard
+    and the full (or, with SP, its sequence shard of the) input gradient.
+
+    Args:
+        input: (S, ..., D) hidden states; with ``sequence_parallel`` this rank's contiguous shard
+            of the first (sequence) dimension, (S / TP, ..., D).
+        weight: (V_local, D) this rank's shard of the classifier; shards may be uneven.
+        target: (S, ...) global class ids for the whole sequence (labels are not sequence-
+            sharded, as in Megatron); ``ignore_index`` marks ignored tokens.
+        bias: (V_local,) this rank's shard of the bias, or None.
+        group: the tensor-parallel process group (None: the default group).
+        vocab_start_index: global id of this shard's first row; default from the group's shard
+            sizes (shards in rank order).
+        vocab_size: the true number of classes; rows at or past it (Megatron's vocabulary padding)
+            are not classes. Default: the sum of the shards.
+        sequence_parallel: ``input`` is sequence-sharded: all-gather it in, reduce-scatter its
+            gradient out.
+        debug: one extra collective that checks that ranks agree on shapes and shards.
+        Other arguments: as for :func:`fused_lce.linear_cross_entropy` (``chunk_by`` is always
+            "vocab" here).
+
+    Returns:
+        The loss ("none": shape of ``target``), and with ``return_lse`` the pair (loss, lse).
+    """
+    if group is None:
+        group = dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of `group`")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    opts = LCEOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss=z_loss,
+        impl=impl,
+        backward=backward,
+        filter_eps=filter_eps,
+        vocab_sort=vocab_sort,
+        deterministic=deterministic,
+        vocab_chunk_size=vocab_chunk_size,
+        scratch_mb=scratch_mb,
+    )
+    if impl not in ("auto", "cce", "chunked"):
+        raise ValueError(f"impl must be 'auto', 'cce' or 'chunked' here, got {impl!r}")
+    for name, value in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    tp = comm.world_size(group)
+    if sequence_parallel:
+        if input.dim() < 2:
+            raise ValueError("sequence_parallel needs input of shape (S / TP, ..., D)")
+        full_shape = (input.shape[0] * tp, *input.shape[1:-1])
+        if tuple(target.shape) != full_shape:
+            raise ValueError(
+                f"with sequence_parallel, target must cover the whole sequence: expected shape "
+                f"{full_shape} (input's first dimension times TP={tp}), got {tuple(target.shape)}"
+            )
+    elif tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"target must have shape {tuple(input.shape[:-1])} (input's shape without D), "
+            f"got {tuple(target.shape)}"
+        )
+
+    start, total = _shard_start(weight.shape[0], vocab_start_index, group, weight.device)
+    num_classes = total if vocab_size is None else vocab_size
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if num_classes > total:
+        raise ValueError(
+            f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
+        )
+    if debug:
+        _check_agreement(input, weight, start, total, sequence_parallel, group)
+    # The single-device checks (dtypes, devices, D, bias), with this shard as the weight and,
+    # under SP, the rows of target that match this rank's input; the target range is checked
+    # against the global vocabulary below.
+    local_target = target[: input.shape[0]] if sequence_parallel else target
+    validate(input, weight, local_target, bias, opts, check_targets=False)
+    if check_targets and target.numel() > 0:
+        valid = target != opts.ignore_index
+        bad = valid & ((target < 0) | (target >= num_classes))
+        if bool(bad.any()):
+            first = target[bad].flatten()[0].item()
+            raise ValueError(
+                f"target holds class {first}, outside [0, {num_classes}) and not ignore_index "
+                f"({opts.ignore_index})"
+            )
+
+    local_classes = max(0, min(weight.shape[0], num_classes - start))
+    loss, lse = _VocabParallelLCE.apply(
+        input, weight, bias, target, opts, group, start, local_classes, num_classes,
+        sequence_parallel,
+    )
+    if opts.reduction == "none":
+        loss = loss.reshape(target.shape)
+    lse = lse.reshape(target.shape)
+    return (loss, lse) if return_lse else loss
+
+
+class _VocabParallelLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, target, opts: LCEOptions, group, vocab_start: int,
+                local_classes: int, num_classes: int, sequence_parallel: bool):
+        hidden = _gather_hidden(input, group, sequence_parallel)
+        flat_target = target.reshape(-1)
+        shard_w = weight[:local_classes]
+        shard_b = None if bias is None else bias[:local_classes]
+        impl = resolve_impl(opts, hidden.device, hidden.dtype)
+        shard = _shard_ops(impl)
+        state, (row_max, sum_exp, row_sum, target_logit) = shard.statistics(
+            hidden, shard_w, shard_b, flat_target, opts, vocab_start
+        )
+        valid = flat_target != opts.ignore_index
+
+        # One MAX for the shift, one SUM for everything that adds up across shards.
+        global_max = comm.all_reduce_max_(row_max.clone(), group)
+        finite_max = torch.where(torch.isfinite(global_max), global_max, 0.0)
+        packed = [sum_exp * torch.exp(row_max - finite_max), target_logit]
+        if row_sum is not None:
+            packed.append(row_sum)
+        packed = comm.all_reduce_sum_(torch.stack(packed).float(), group)
+        lse = finite_max + torch.log(packed[0])
+        global_row_sum = packed[2] if row_sum is not None else None
+        loss = token_loss(lse, packed[1], global_row_sum, num_classes, opts)
+        zero = torch.zeros_like(loss)
+        loss = torch.where(valid, loss, zero)
+        lse = torch.where(valid, lse, zero)
+        n_valid = valid.sum()
+        if opts.reduction == "sum":
+            loss = loss.sum()
+        elif opts.reduction == "mean":
+            loss = loss.sum() / n_valid
+
+        ctx.save_for_backward(input, weight, bias, flat_target, lse, n_valid)
+        ctx.state = state
+        ctx.opts, ctx.group, ctx.impl = opts, group, impl
+        ctx.vocab_start, ctx.local_classes, ctx.num_classes = vocab_start, local_classes, num_classes
+        ctx.sequence_parallel = sequence_parallel
+        ctx.set_materialize_grads(False)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        input, weight, bias, target, lse, n_valid = ctx.saved_tensors
+        opts: LCEOptions = ctx.opts
+        needs = tuple(ctx.needs_input_grad[:3])
+        if grad_loss is None and grad_lse is None:
+            return (None,) * 10
+        hidden = _gather_hidden(input, ctx.group, ctx.sequence_parallel)
+        n_rows = hidden.shape[0]
+        valid = target != opts.ignore_index
+        zero = torch.zeros_like(lse)
+        if grad_loss is None:
+            g = zero
+        elif opts.reduction == "none":
+            g = grad_loss.reshape(n_rows).float()
+        elif opts.reduction == "mean":
+            g = (grad_loss.float() / n_valid).expand(n_rows)
+        else:
+            g = grad_loss.float().expand(n_rows)
+        g = torch.where(valid, g, zero)
+        if grad_lse is not None:
+            grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
+        coefs = grad_coefficients(g, lse, grad_lse, ctx.num_classes, opts)
+
+        local = ctx.local_classes
+        shard_w = weight[:local]
+        shard_b = None if bias is None else bias[:local]
+        shard = _shard_ops(ctx.impl)
+        d_hidden, d_shard_w, d_shard_b = shard.backward(
+            ctx.state, hidden, shard_w, shard_b, target, lse, coefs, opts, ctx.vocab_start,
+            ctx.num_classes, needs,
+        )
+
+        d_input = None
+        if needs[0]:
+            # Every rank holds a partial sum of d_hidden over its classes: sum them in fp32.
+            if ctx.sequence_parallel:
+                d_input = comm.reduce_scatter_first_dim(d_hidden, ctx.group)
+            else:
+                d_input = comm.all_reduce_sum_(d_hidden, ctx.group)
+            d_input = d_input.to(input.dtype).reshape(input.shape)
+        d_weight = _pad_rows(d_shard_w, weight) if needs[1] else None
+        d_bias = _pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
+        return d_input, d_weight, d_bias, None, None, None, None, None, None, None
+
+
+def _pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The shard's gradient with zero rows for vocabulary padding past the real classes."""
+    if grad is not None and grad.shape[0] == like.shape[0]:
+        return grad.to(like.dtype)
+    out = torch.zeros_like(like)
+    if grad is not None:
+        out[: grad.shape[0]] = grad
+    return out
+
+
+def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    hidden = comm.all_gather_first_dim(input, group) if sequence_parallel else input
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int, int]:
+    """(this shard's first global row, rows of all shards together)."""
+    key = (id(group), local_rows, given)
+    if key in _SHARD_STARTS:
+        return _SHARD_STARTS[key]
+    cdev = comm.collective_device(group, device)
+    sizes = comm.all_gather_ints([local_rows, -1 if given is None else given], group, cdev).cpu()
+    rows, starts = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+    me = comm.rank(group)
+    if given is None:
+        offsets = [sum(rows[:r]) for r in range(len(rows))]
+    else:
+        if any(s < 0 for s in starts):
+            raise ValueError("vocab_start_index must be given on every rank or on none")
+        offsets = starts
+    # Shards must tile [0, total) without gaps or overlaps.
+    order = sorted(range(len(rows)), key=lambda r: offsets[r])
+    expected = 0
+    for r in order:
+        if offsets[r] != expected:
+            raise ValueError(
+                f"vocabulary shards do not tile the vocabulary: rank {r} starts at {offsets[r]}, "
+                f"expected {expected} (shard sizes {rows}, starts {offsets})"
+            )
+        expected += rows[r]
+    result = (offsets[me], expected)
+    _SHARD_STARTS[key] = result
+    return result
+
+
+def _check_agreement(input, weight, start, total, sequence_parallel, group) -> None:
+    cdev = comm.collective_device(group, input.device)
+    n_local = input.reshape(-1, input.shape[-1]).shape[0]
+    shapes = comm.all_gather_ints([n_local, input.shape[-1], weight.shape[1], total], group, cdev)
+    shapes = shapes.cpu().tolist()
+    if len({tuple(s[1:]) for s in shapes}) != 1 or len({s[0] for s in shapes}) != 1:
+        raise ValueError(
+            "ranks disagree on (tokens, input D, weight D, vocabulary): "
+            + ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
+        )
+
+
+class _CCEShard:
+    """The Triton kernels on one shard (fused_lce.function's building blocks)."""
+
+    @staticmethod
+    def statistics(hidden, weight, bias, target, opts, vocab_start):
+        from fused_lce.function import (
+            filter_settings,
+            prepare_rows,
+            shard_statistics,
+            use_vocab_sort,
+        )
+
+        rows = prepare_rows(target, opts.ignore_index)
+        filter_code, _ = filter_settings(opts, hidden.dtype, 1, hidden.device)
+        stats, target_logit = shard_statistics(
+            hidden, weight, bias, target, rows, opts, vocab_start=vocab_start,
+            want_col_sum=use_vocab_sort(opts, filter_code),
+        )
+        return (rows, stats.col_sum), (stats.max, stats.sum_exp, stats.row_sum, target_logit)
+
+    @staticmethod
+    def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
+                 vocab_start, num_classes, needs):
+        from fused_lce.function import local_targets, shard_backward
+
+        rows, col_sum = state
+        target_local = local_targets(target, rows.valid, vocab_start, weight.shape[0])
+        return shard_backward(
+            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, num_classes,
+            needs, d_hidden_dtype=torch.float32,
+        )
+
+
+class _ChunkedShard:
+    """The pure-PyTorch vocabulary chunks on one shard (fused_lce.chunked)."""
+
+    @staticmethod
+    def statistics(hidden, weight, bias, target, opts, vocab_start):
+        from fused_lce.chunked import vocab_statistics
+
+        valid = (target != opts.ignore_index).nonzero().squeeze(1)
+        local = target.index_select(0, valid) - vocab_start
+        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
+        stats = vocab_statistics(hidden.index_select(0, valid), weight, bias, local, opts)
+        n = hidden.shape[0]
+        fills = (float("-inf"), 0.0, 0.0, 0.0)
+        full = []
+        for value, fill in zip(stats, fills):
+            if value is None:
+                full.append(None)
+                continue
+            out = torch.full((n,), fill, dtype=value.dtype, device=value.device)
+            full.append(out.index_copy_(0, valid, value))
+        return (valid, local), tuple(full)
+
+    @staticmethod
+    def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
+                 vocab_start, num_classes, needs):
+        from fused_lce.chunked import vocab_backward
+
+        valid, local = state
+        pick = lambda t: None if t is None else t.index_select(0, valid)  # noqa: E731
+        coefs = GradCoefficients(pick(coefs.p_coef), pick(coefs.tgt_coef), pick(coefs.smooth_coef))
+        d_rows, d_weight, d_bias = vocab_backward(
+            hidden.index_select(0, valid), weight, bias, local, pick(lse), coefs, opts,
+            (True, needs[1], needs[2]),
+        )
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_hidden.index_copy_(0, valid, d_rows.float())
+        if d_bias is not None:
+            d_bias = d_bias.to(bias.dtype)
+        return d_hidden, d_weight, d_bias
+
+
+def _shard_ops(impl: str):
+    if impl == "cce":
+        return _CCEShard
+    if impl == "chunked":
+        return _ChunkedShard
+    raise ValueError(f"vocab-parallel impl must be 'cce', 'chunked' or 'auto', got {impl!r}")
