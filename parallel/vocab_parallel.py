@@ -209,7 +209,8 @@ class _VocabParallelLCE(torch.autograd.Function):
         ctx.save_for_backward(input, weight, bias, flat_target, lse, n_valid)
         ctx.state = state
         ctx.opts, ctx.group, ctx.impl = opts, group, impl
-        ctx.vocab_start, ctx.local_classes, ctx.num_classes = vocab_start, local_classes, num_classes
+        ctx.vocab_start, ctx.local_classes = vocab_start, local_classes
+        ctx.num_classes = num_classes
         ctx.sequence_parallel = sequence_parallel
         ctx.set_materialize_grads(False)
         return loss, lse
