@@ -173,8 +173,13 @@ def shard_backward(
     n_classes: int,
     needs: tuple[bool, bool, bool],
     d_hidden_dtype: torch.dtype | None = None,
+    d_weight_accumulator: torch.Tensor | None = None,
 ):
-    """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``."""
+    """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``.
+
+    With ``d_weight_accumulator`` (fp32, the weight's shape) the weight gradient is added into
+    it and returned as None.
+    """
     if backward_path(opts) == "gemm":
         return lce_backward_gemm(
             hidden,
@@ -191,12 +196,13 @@ def shard_backward(
             want_weight=needs[1],
             want_bias=needs[2],
             d_hidden_dtype=d_hidden_dtype,
+            d_weight_accumulator=d_weight_accumulator,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
     if col_sum is not None and use_vocab_sort(opts, filter_code):
         vocab_order = torch.argsort(col_sum, descending=True).to(torch.int32)
-    return lce_backward(
+    grads = lce_backward(
         hidden,
         weight,
         bias,
@@ -216,6 +222,15 @@ def shard_backward(
         want_bias=needs[2],
         d_hidden_dtype=d_hidden_dtype,
     )
+    return _into_accumulator(grads, d_weight_accumulator)
+
+
+def _into_accumulator(grads, d_weight_accumulator: torch.Tensor | None):
+    d_hidden, d_weight, d_bias = grads
+    if d_weight_accumulator is not None and d_weight is not None:
+        d_weight_accumulator.add_(d_weight)
+        d_weight = None
+    return d_hidden, d_weight, d_bias
 
 
 class CCEFunction(torch.autograd.Function):

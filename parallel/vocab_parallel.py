@@ -67,6 +67,7 @@ def vocab_parallel_linear_cross_entropy(
     scratch_mb: float | None = None,
     check_targets: bool = True,
     debug: bool = False,
+    weight_grad_accumulator: torch.Tensor | None = None,
 ):
     """Linear cross-entropy with the classifier split over the vocabulary across ``group``.
 
@@ -89,6 +90,9 @@ def vocab_parallel_linear_cross_entropy(
         sequence_parallel: ``input`` is sequence-sharded: all-gather it in, reduce-scatter its
             gradient out.
         debug: one extra collective that checks that ranks agree on shapes and shards.
+        weight_grad_accumulator: an fp32 buffer of ``weight``'s shape (Megatron's ``main_grad``)
+            into which the backward adds the weight gradient directly, instead of returning it
+            in the weight's dtype; the weight then receives no ``.grad`` from this op.
         Other arguments: as for :func:`fused_lce.linear_cross_entropy` (``chunk_by`` is always
             "vocab" here).
 
@@ -161,10 +165,18 @@ def vocab_parallel_linear_cross_entropy(
                 f"({opts.ignore_index})"
             )
 
+    if weight_grad_accumulator is not None and (
+        tuple(weight_grad_accumulator.shape) != tuple(weight.shape)
+        or weight_grad_accumulator.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"weight_grad_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
+            f"{weight_grad_accumulator.dtype} {tuple(weight_grad_accumulator.shape)}"
+        )
     local_classes = max(0, min(weight.shape[0], num_classes - start))
     loss, lse = _VocabParallelLCE.apply(
         input, weight, bias, target, opts, group, start, local_classes, num_classes,
-        sequence_parallel,
+        sequence_parallel, weight_grad_accumulator,
     )
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
@@ -175,7 +187,8 @@ def vocab_parallel_linear_cross_entropy(
 class _VocabParallelLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, target, opts: LCEOptions, group, vocab_start: int,
-                local_classes: int, num_classes: int, sequence_parallel: bool):
+                local_classes: int, num_classes: int, sequence_parallel: bool,
+                weight_grad_accumulator):
         hidden = _gather_hidden(input, group, sequence_parallel)
         flat_target = target.reshape(-1)
         shard_w = weight[:local_classes]
@@ -212,6 +225,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         ctx.vocab_start, ctx.local_classes = vocab_start, local_classes
         ctx.num_classes = num_classes
         ctx.sequence_parallel = sequence_parallel
+        ctx.weight_grad_accumulator = weight_grad_accumulator
         ctx.set_materialize_grads(False)
         return loss, lse
 
@@ -221,7 +235,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         opts: LCEOptions = ctx.opts
         needs = tuple(ctx.needs_input_grad[:3])
         if grad_loss is None and grad_lse is None:
-            return (None,) * 10
+            return (None,) * 11
         hidden = _gather_hidden(input, ctx.group, ctx.sequence_parallel)
         n_rows = hidden.shape[0]
         valid = target != opts.ignore_index
@@ -243,9 +257,11 @@ class _VocabParallelLCE(torch.autograd.Function):
         shard_w = weight[:local]
         shard_b = None if bias is None else bias[:local]
         shard = _shard_ops(ctx.impl)
+        accumulator = ctx.weight_grad_accumulator
+        shard_acc = None if accumulator is None or not needs[1] else accumulator[:local]
         d_hidden, d_shard_w, d_shard_b = shard.backward(
             ctx.state, hidden, shard_w, shard_b, target, lse, coefs, opts, ctx.vocab_start,
-            ctx.num_classes, needs,
+            ctx.num_classes, needs, shard_acc,
         )
 
         d_input = None
@@ -256,9 +272,9 @@ class _VocabParallelLCE(torch.autograd.Function):
             else:
                 d_input = comm.all_reduce_sum_(d_hidden, ctx.group)
             d_input = d_input.to(input.dtype).reshape(input.shape)
-        d_weight = _pad_rows(d_shard_w, weight) if needs[1] else None
+        d_weight = _pad_rows(d_shard_w, weight) if needs[1] and accumulator is None else None
         d_bias = _pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
-        return d_input, d_weight, d_bias, None, None, None, None, None, None, None
+        return d_input, d_weight, d_bias, None, None, None, None, None, None, None, None
 
 
 def _pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -340,14 +356,14 @@ class _CCEShard:
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs):
+                 vocab_start, num_classes, needs, d_weight_accumulator):
         from fused_lce.function import local_targets, shard_backward
 
         rows, col_sum = state
         target_local = local_targets(target, rows.valid, vocab_start, weight.shape[0])
         return shard_backward(
             hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, num_classes,
-            needs, d_hidden_dtype=torch.float32,
+            needs, d_hidden_dtype=torch.float32, d_weight_accumulator=d_weight_accumulator,
         )
 
 
@@ -375,7 +391,7 @@ class _ChunkedShard:
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs):
+                 vocab_start, num_classes, needs, d_weight_accumulator):
         from fused_lce.chunked import vocab_backward
 
         valid, local = state
@@ -389,6 +405,9 @@ class _ChunkedShard:
         d_hidden.index_copy_(0, valid, d_rows.float())
         if d_bias is not None:
             d_bias = d_bias.to(bias.dtype)
+        if d_weight_accumulator is not None and d_weight is not None:
+            d_weight_accumulator.add_(d_weight)
+            d_weight = None
         return d_hidden, d_weight, d_bias
 
 

@@ -230,19 +230,25 @@ def lce_backward_gemm(
     want_weight: bool = True,
     want_bias: bool = True,
     d_hidden_dtype: torch.dtype | None = None,
+    d_weight_accumulator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
     Arguments as for ``backward.lce_backward``; ``d_hidden_dtype`` (default: hidden's) lets a
-    vocabulary shard hand its partial d_hidden to the all-reduce in fp32. The token chunks walk positions of ``row_order``
-    (non-ignored rows first); G rows of ignored tokens are zero, so they add nothing.
+    vocabulary shard hand its partial d_hidden to the all-reduce in fp32. With
+    ``d_weight_accumulator`` (an fp32 (V, D) buffer, e.g. Megatron's ``main_grad``) the weight
+    gradient is added into it by the GEMMs themselves and d_weight is returned as None.
+
+    The token chunks walk positions of ``row_order`` (non-ignored rows first); G rows of ignored
+    tokens are zero, so they add nothing.
     """
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     want_bias = want_bias and bias is not None
     d_hidden_dtype = d_hidden_dtype or hidden.dtype
     d_hidden = torch.empty_like(hidden, dtype=d_hidden_dtype) if want_hidden else None
-    d_weight = torch.empty_like(weight) if want_weight else None
+    into_accumulator = want_weight and d_weight_accumulator is not None
+    d_weight = torch.empty_like(weight) if want_weight and not into_accumulator else None
     d_bias = (
         torch.zeros((n_vocab,), device=hidden.device, dtype=torch.float32) if want_bias else None
     )
@@ -280,6 +286,10 @@ def lce_backward_gemm(
             weight_chunk = weight[vocab_start : vocab_start + cols]
             if d_hidden_acc is not None:
                 _accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
+            if into_accumulator:
+                _accumulate_mm(
+                    d_weight_accumulator[vocab_start : vocab_start + cols], g.t(), hidden_chunk
+                )
             if d_weight is not None:
                 dest = d_weight[vocab_start : vocab_start + cols]
                 if row_start == 0:
