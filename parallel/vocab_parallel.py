@@ -92,7 +92,8 @@ def vocab_parallel_linear_cross_entropy(
         debug: one extra collective that checks that ranks agree on shapes and shards.
         weight_grad_accumulator: an fp32 buffer of ``weight``'s shape (Megatron's ``main_grad``)
             into which the backward adds the weight gradient directly, instead of returning it
-            in the weight's dtype; the weight then receives no ``.grad`` from this op.
+            in the weight's dtype; the weight then receives no ``.grad`` from this op (or, if it
+            has Megatron's ``grad_added_to_main_grad`` attribute, an unset dummy and the flag).
         Other arguments: as for :func:`fused_lce.linear_cross_entropy` (``chunk_by`` is always
             "vocab" here).
 
@@ -226,6 +227,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         ctx.num_classes = num_classes
         ctx.sequence_parallel = sequence_parallel
         ctx.weight_grad_accumulator = weight_grad_accumulator
+        ctx.weight_param = weight if weight_grad_accumulator is not None else None
         ctx.set_materialize_grads(False)
         return loss, lse
 
@@ -272,7 +274,14 @@ class _VocabParallelLCE(torch.autograd.Function):
             else:
                 d_input = comm.all_reduce_sum_(d_hidden, ctx.group)
             d_input = d_input.to(input.dtype).reshape(input.shape)
-        d_weight = _pad_rows(d_shard_w, weight) if needs[1] and accumulator is None else None
+        d_weight = None
+        if needs[1] and accumulator is None:
+            d_weight = _pad_rows(d_shard_w, weight)
+        elif needs[1] and hasattr(ctx.weight_param, "grad_added_to_main_grad"):
+            # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
+            # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
+            ctx.weight_param.grad_added_to_main_grad = True
+            d_weight = torch.empty_like(weight)
         d_bias = _pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
         return d_input, d_weight, d_bias, None, None, None, None, None, None, None, None
 

@@ -1,0 +1,228 @@
+"""megatron-core adapter: ``--cross-entropy-fusion-impl cce`` (alias ``linear``) runs our op.
+
+How it hooks in. In megatron-core 0.16 to 0.19, ``GPTModel._postprocess`` computes
+
+    logits, _ = self.output_layer(hidden_states, weight=output_weight, ...)
+    loss = self.compute_language_model_loss(labels, logits)       # per-token loss [b, s]
+
+:func:`install` wraps ``_postprocess`` (``forward`` in versions without it). When labels are given
+and the model's config has ``cross_entropy_loss_fusion=True`` and ``cross_entropy_fusion_impl`` in
+("cce", "linear"), then for that call the output layer returns a :class:`DeferredLogits` (its input,
+weight and bias) instead of logits, and ``compute_language_model_loss`` turns it into Megatron's
+per-token loss with :func:`fused_lce.parallel.vocab_parallel_linear_cross_entropy`. So the tied or
+untied output weight, sequence parallelism (the hidden states arrive sequence-sharded), context
+parallelism (each rank's tokens are its own) and multi-token prediction all follow Megatron's own
+code, loss masks and schedules stay unchanged, and no logits tensor is formed. Without labels
+(evaluation, generation) the ordinary logits path runs.
+
+With gradient-accumulation fusion on (``config.gradient_accumulation_fusion`` and a ``main_grad``
+on the weight), the weight gradient is added in fp32 straight into ``main_grad`` by our GEMMs,
+following Megatron's protocol for it (``grad_added_to_main_grad``).
+
+megatron-core is imported lazily: importing this module needs only torch.
+
+For Megatron-LM users::
+
+    from fused_lce.parallel import megatron as lce_megatron
+    lce_megatron.install()                                  # every GPTModel built afterwards
+    pretrain(..., extra_args_provider=lce_megatron.extra_args_provider)
+    # then: --cross-entropy-loss-fusion --cross-entropy-fusion-impl cce
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+from dataclasses import dataclass
+
+import torch
+
+CCE_CHOICES = ("cce", "linear")
+_PATCHED = "_fused_lce_patched"
+_OPTION_NAMES = ("softcap", "z_loss", "label_smoothing", "backward", "filter_eps", "scratch_mb",
+                 "deterministic", "vocab_size")
+
+
+@dataclass
+class DeferredLogits:
+    """What the output layer returns under cce: the matmul's operands, not its product."""
+
+    hidden: torch.Tensor  # [s, b, h], or [s / tp, b, h] under sequence parallelism
+    weight: torch.Tensor  # this rank's (V / tp, h) shard of the output weight
+    bias: torch.Tensor | None
+    sequence_parallel: bool
+
+
+def add_arguments(parser):
+    """Add ``cce`` and ``linear`` to ``--cross-entropy-fusion-impl`` (adding the flag if absent)."""
+    for action in parser._actions:
+        if "--cross-entropy-fusion-impl" in action.option_strings:
+            if action.choices is not None:
+                action.choices = list(action.choices) + [
+                    c for c in CCE_CHOICES if c not in action.choices
+                ]
+            return parser
+    parser.add_argument(
+        "--cross-entropy-fusion-impl",
+        default="native",
+        choices=["native", "te", *CCE_CHOICES],
+        help="fused cross-entropy implementation; cce (alias linear): fused_lce's vocab-parallel "
+        "linear cross-entropy, which never forms the logits",
+    )
+    return parser
+
+
+def extra_args_provider(parser):
+    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``."""
+    return add_arguments(parser)
+
+
+def wants_cce(config) -> bool:
+    return bool(getattr(config, "cross_entropy_loss_fusion", False)) and (
+        getattr(config, "cross_entropy_fusion_impl", None) in CCE_CHOICES
+    )
+
+
+def install(model=None, **options):
+    """Route the loss of GPT models whose config asks for cce through our op.
+
+    Args:
+        model: a GPTModel, a wrapper (DDP, Float16Module, ...) or a list of them; every GPTModel
+            inside is patched. None patches the GPTModel class, so every model built afterwards
+            is (the Megatron-LM plugin route).
+        options: passed to the op: ``softcap``, ``z_loss``, ``label_smoothing``, ``backward``,
+            ``filter_eps``, ``scratch_mb``, ``deterministic``, ``vocab_size`` (the true vocabulary
+            size when Megatron pads it; default: every row of the output weight is a class, as in
+            Megatron's own loss).
+
+    Installing twice is harmless: an already patched model or class is left as it is.
+    """
+    unknown = set(options) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; expected some of {_OPTION_NAMES}")
+    if model is None:
+        from megatron.core.models.gpt import GPTModel
+
+        name = _hook_name(GPTModel)
+        original = getattr(GPTModel, name)
+        if not getattr(original, _PATCHED, False):
+            setattr(GPTModel, name, _wrap(original, options))
+        return None
+    patched = 0
+    for gpt in _gpt_models(model):
+        name = _hook_name(type(gpt))
+        if getattr(getattr(type(gpt), name), _PATCHED, False) or getattr(
+            getattr(gpt, name), _PATCHED, False
+        ):
+            patched += 1
+            continue
+        setattr(gpt, name, types.MethodType(_wrap(getattr(type(gpt), name), options), gpt))
+        patched += 1
+    if patched == 0:
+        raise ValueError("install(model): found no GPT model (with output_layer) inside `model`")
+    return model
+
+
+def _gpt_models(model):
+    models = model if isinstance(model, (list, tuple)) else [model]
+    for m in models:
+        for module in m.modules():
+            if hasattr(module, "output_layer") and hasattr(module, "compute_language_model_loss"):
+                yield module
+
+
+def _hook_name(cls) -> str:
+    return "_postprocess" if hasattr(cls, "_postprocess") else "forward"
+
+
+def _wrap(function, options: dict):
+    """``function`` (an unbound GPTModel method taking ``labels``) with the cce route."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(self, *args, **kwargs):
+        labels = signature.bind_partial(self, *args, **kwargs).arguments.get("labels")
+        if labels is None or not wants_cce(self.config) or self.output_layer is None:
+            return function(self, *args, **kwargs)
+        with _deferred_output(self, options):
+            return function(self, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+@contextlib.contextmanager
+def _deferred_output(gpt, options: dict):
+    """For one call: the output layer defers its matmul and the loss consumes the deferral."""
+    layer = gpt.output_layer
+    had_forward = "forward" in layer.__dict__
+    saved_forward = layer.__dict__.get("forward")
+    had_loss = "compute_language_model_loss" in gpt.__dict__
+    saved_loss = gpt.__dict__.get("compute_language_model_loss")
+    original_loss = gpt.compute_language_model_loss
+
+    def deferred_forward(input_, weight=None, runtime_gather_output=None, **_):
+        weight = layer.weight if weight is None else weight
+        bias = getattr(layer, "bias", None)
+        if getattr(layer, "skip_bias_add", False):
+            bias = None
+        sp = bool(getattr(layer, "sequence_parallel", False))
+        return DeferredLogits(input_, weight, bias, sp), None
+
+    def loss(labels, logits):
+        if isinstance(logits, DeferredLogits):
+            return _per_token_loss(gpt, labels, logits, options)
+        return original_loss(labels, logits)
+
+    layer.forward = deferred_forward
+    gpt.compute_language_model_loss = loss
+    try:
+        yield
+    finally:
+        _restore(layer, "forward", had_forward, saved_forward)
+        _restore(gpt, "compute_language_model_loss", had_loss, saved_loss)
+
+
+def _restore(obj, name: str, had: bool, saved) -> None:
+    if had:
+        setattr(obj, name, saved)
+    else:
+        obj.__dict__.pop(name, None)
+
+
+def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options: dict):
+    """Megatron's per-token loss [b, s] from labels [b, s] and the deferred output layer."""
+    import torch.distributed as dist
+
+    from .vocab_parallel import vocab_parallel_linear_cross_entropy
+
+    group = _tensor_parallel_group(gpt)
+    weight = deferred.weight
+    accumulator = None
+    if getattr(gpt.config, "gradient_accumulation_fusion", False):
+        accumulator = getattr(weight, "main_grad", None)
+    loss = vocab_parallel_linear_cross_entropy(
+        deferred.hidden,
+        weight,
+        labels.transpose(0, 1).contiguous(),
+        deferred.bias,
+        group=group,
+        vocab_start_index=dist.get_rank(group) * weight.shape[0],
+        sequence_parallel=deferred.sequence_parallel,
+        reduction="none",
+        check_targets=False,  # as Megatron's own loss: no host sync per micro-batch
+        weight_grad_accumulator=accumulator,
+        **options,
+    )
+    return loss.transpose(0, 1).contiguous()
+
+
+def _tensor_parallel_group(gpt):
+    collection = getattr(gpt, "pg_collection", None)
+    if collection is not None and getattr(collection, "tp", None) is not None:
+        return collection.tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
