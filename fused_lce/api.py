@@ -183,6 +183,8 @@ def validate(
     impl = resolve_impl(opts, input.device, input.dtype)
     if impl == "cce":
         _check_cce_supported(input)
+    # The environment's chunk sizes are read (and checked) here, before any kernel runs.
+    _ = (opts.scratch_bytes, opts.vocab_chunk, opts.token_chunk)
     if impl == "chunked" and opts.chunk_by == "tokens" and opts.reduction == "none":
         raise ValueError(
             "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "

@@ -200,6 +200,8 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
 
     group = _tensor_parallel_group(gpt)
     weight = deferred.weight
+    # Megatron splits the (padded) vocabulary evenly: the layout is known, no collective needed.
+    options = {"vocab_size": weight.shape[0] * dist.get_world_size(group), **options}
     accumulator = None
     if getattr(gpt.config, "gradient_accumulation_fusion", False):
         accumulator = getattr(weight, "main_grad", None)

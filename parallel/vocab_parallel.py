@@ -23,8 +23,8 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
                                             than saved: saves (TP-1)/TP of N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
               reduce-scatter d_hidden       [N x D -> N/TP x D] fp32
-    once      all-gather of shard sizes     [TP x 2] int64, only when ``vocab_start_index`` is
-                                            not given (cached per group and size)
+    per call  all-gather of shard layout    [TP x 2] int64 and a host sync, unless both
+                                            ``vocab_start_index`` and ``vocab_size`` are given
     debug     all-gather of shapes          [TP x 4] int64, only with ``debug=True``
 """
 
@@ -38,8 +38,6 @@ from fused_lce.options import LCEOptions
 from fused_lce.terms import GradCoefficients, grad_coefficients, token_loss
 
 from . import comm
-
-_SHARD_STARTS: dict[tuple, tuple[int, int]] = {}
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -84,7 +82,8 @@ def vocab_parallel_linear_cross_entropy(
         bias: (V_local,) this rank's shard of the bias, or None.
         group: the tensor-parallel process group (None: the default group).
         vocab_start_index: global id of this shard's first row; default from the group's shard
-            sizes (shards in rank order).
+            sizes (shards in rank order). Give it on every rank or on none. With ``vocab_size``
+            also given the layout is trusted and no collective checks it (``debug`` checks it).
         vocab_size: the true number of classes; rows at or past it (Megatron's vocabulary padding)
             are not classes. Default: the sum of the shards.
         sequence_parallel: ``input`` is sequence-sharded: all-gather it in, reduce-scatter its
@@ -141,11 +140,15 @@ def vocab_parallel_linear_cross_entropy(
             f"got {tuple(target.shape)}"
         )
 
-    start, total = _shard_start(weight.shape[0], vocab_start_index, group, weight.device)
+    if vocab_start_index is not None and vocab_size is not None and not debug:
+        # The caller knows the layout (Megatron's adapter does): no collective, no host sync.
+        start, total = vocab_start_index, None
+    else:
+        start, total = _shard_start(weight.shape[0], vocab_start_index, group, weight.device)
     num_classes = total if vocab_size is None else vocab_size
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if num_classes > total:
+    if total is not None and num_classes > total:
         raise ValueError(
             f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
         )
@@ -195,7 +198,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         shard_w = weight[:local_classes]
         shard_b = None if bias is None else bias[:local_classes]
         impl = resolve_impl(opts, hidden.device, hidden.dtype)
-        shard = _shard_ops(impl)
+        shard = _shard_ops(impl, local_classes)
         state, (row_max, sum_exp, row_sum, target_logit) = shard.statistics(
             hidden, shard_w, shard_b, flat_target, opts, vocab_start
         )
@@ -258,7 +261,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         local = ctx.local_classes
         shard_w = weight[:local]
         shard_b = None if bias is None else bias[:local]
-        shard = _shard_ops(ctx.impl)
+        shard = _shard_ops(ctx.impl, local)
         accumulator = ctx.weight_grad_accumulator
         shard_acc = None if accumulator is None or not needs[1] else accumulator[:local]
         d_hidden, d_shard_w, d_shard_b = shard.backward(
@@ -302,19 +305,23 @@ def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch
 
 
 def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int, int]:
-    """(this shard's first global row, rows of all shards together)."""
-    key = (id(group), local_rows, given)
-    if key in _SHARD_STARTS:
-        return _SHARD_STARTS[key]
+    """(this shard's first global row, rows of all shards together), from one all-gather.
+
+    Not cached: a layout can change between calls (another vocabulary on the same group) while
+    one rank's shard keeps its size, and a rank that skipped the collective would hang the rest.
+    """
+    if given is not None and given < 0:
+        raise ValueError(f"vocab_start_index must be >= 0, got {given}")
     cdev = comm.collective_device(group, device)
     sizes = comm.all_gather_ints([local_rows, -1 if given is None else given], group, cdev).cpu()
     rows, starts = sizes[:, 0].tolist(), sizes[:, 1].tolist()
     me = comm.rank(group)
+    if len({s < 0 for s in starts}) > 1:
+        # Every rank sees the same gathered starts, so every rank raises.
+        raise ValueError("vocab_start_index must be given on every rank or on none")
     if given is None:
         offsets = [sum(rows[:r]) for r in range(len(rows))]
     else:
-        if any(s < 0 for s in starts):
-            raise ValueError("vocab_start_index must be given on every rank or on none")
         offsets = starts
     # Shards must tile [0, total) without gaps or overlaps.
     order = sorted(range(len(rows)), key=lambda r: offsets[r])
@@ -326,9 +333,7 @@ def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int
                 f"expected {expected} (shard sizes {rows}, starts {offsets})"
             )
         expected += rows[r]
-    result = (offsets[me], expected)
-    _SHARD_STARTS[key] = result
-    return result
+    return offsets[me], expected
 
 
 def _check_agreement(input, weight, start, total, sequence_parallel, group) -> None:
@@ -420,7 +425,29 @@ class _ChunkedShard:
         return d_hidden, d_weight, d_bias
 
 
-def _shard_ops(impl: str):
+class _EmptyShard:
+    """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
+    in every collective like the others."""
+
+    @staticmethod
+    def statistics(hidden, weight, bias, target, opts, vocab_start):
+        n = hidden.shape[0]
+        zeros = torch.zeros((n,), dtype=torch.float32, device=hidden.device)
+        row_sum = zeros if opts.label_smoothing > 0 else None
+        return None, (torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
+
+    @staticmethod
+    def backward(state, hidden, weight, bias, target, lse, coefs, opts, vocab_start,
+                 num_classes, needs, d_weight_accumulator):
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_weight = None if d_weight_accumulator is not None else weight.new_zeros(weight.shape)
+        d_bias = None if bias is None else bias.new_zeros(bias.shape)
+        return d_hidden, d_weight, d_bias
+
+
+def _shard_ops(impl: str, local_classes: int):
+    if local_classes == 0:
+        return _EmptyShard
     if impl == "cce":
         return _CCEShard
     if impl == "chunked":

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .backward import _grad_tile
-from .common import TileConfig, dot_settings, gpu_family, num_sms
+from .common import INTERPRET, TileConfig, dot_settings, gpu_family, num_sms
 
 
 @triton.heuristics(
@@ -264,7 +264,14 @@ def lce_backward_gemm(
     chunk_rows, chunk_cols = plan_gemm_chunks(
         n_rows, n_vocab, d_model, hidden.element_size(), buffers, num_sms(hidden.device)
     )
-    g_buffer = torch.empty((chunk_rows, chunk_cols), device=hidden.device, dtype=hidden.dtype)
+    # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
+    # fp32 and torch rounds, so CPU runs see the GPU's numerics.
+    round_in_torch = INTERPRET and hidden.element_size() < 4
+    g_buffer = torch.empty(
+        (chunk_rows, chunk_cols),
+        device=hidden.device,
+        dtype=torch.float32 if round_in_torch else hidden.dtype,
+    )
     d_hidden_acc = (
         torch.empty((chunk_rows, d_model), device=hidden.device, dtype=torch.float32)
         if want_hidden
@@ -283,6 +290,8 @@ def lce_backward_gemm(
                 g_buffer[:rows, :cols], row_start=row_start, vocab_start=vocab_start,
                 softcap=softcap,
             )
+            if round_in_torch:
+                g = g.to(hidden.dtype)
             weight_chunk = weight[vocab_start : vocab_start + cols]
             if d_hidden_acc is not None:
                 _accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
