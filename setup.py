@@ -21,6 +21,8 @@ setup(
         "numpy",
         # Triton ships Linux wheels only; elsewhere the pure-PyTorch paths are used.
         "triton; platform_system=='Linux'",
+        # Model shapes (configs/*.yaml) for the launcher, benchmarks and the memory study.
+        "pyyaml",
     ],
     extras_require={
         # 0.16.1 is the newest release that supports Python 3.11.

@@ -121,15 +121,17 @@ def install(model=None, **options):
         setattr(gpt, name, types.MethodType(_wrap(getattr(type(gpt), name), options), gpt))
         patched += 1
     if patched == 0:
-        raise ValueError("install(model): found no GPT model (with output_layer) inside `model`")
+        raise ValueError("install(model): found no megatron language model inside `model`")
     return model
 
 
 def _gpt_models(model):
+    """Every language model inside ``model``, pipeline stages without an output layer included
+    (their patched call simply takes the ordinary path)."""
     models = model if isinstance(model, (list, tuple)) else [model]
     for m in models:
         for module in m.modules():
-            if hasattr(module, "output_layer") and hasattr(module, "compute_language_model_loss"):
+            if hasattr(module, "compute_language_model_loss") and hasattr(module, "config"):
                 yield module
 
 
@@ -144,7 +146,11 @@ def _wrap(function, options: dict):
     @functools.wraps(function)
     def wrapper(self, *args, **kwargs):
         labels = signature.bind_partial(self, *args, **kwargs).arguments.get("labels")
-        if labels is None or not wants_cce(self.config) or self.output_layer is None:
+        if (
+            labels is None
+            or not wants_cce(self.config)
+            or getattr(self, "output_layer", None) is None
+        ):
             return function(self, *args, **kwargs)
         with _deferred_output(self, options):
             return function(self, *args, **kwargs)

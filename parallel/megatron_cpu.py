@@ -334,11 +334,8 @@ def _disable_dynamo() -> None:
         pass
 
 
-def enable_cpu_mode(force: bool = False) -> bool:
-    """Redirect megatron-core's CUDA-only calls to the CPU (idempotent).
-
-    Args:
-        force: apply even when CUDA is available (tests of this module only).
+def enable_cpu_mode() -> bool:
+    """Redirect megatron-core's CUDA-only calls to the CPU (idempotent; no-op with CUDA).
 
     Returns:
         True when CPU mode is on after the call, False on a CUDA machine.
@@ -346,7 +343,7 @@ def enable_cpu_mode(force: bool = False) -> bool:
     global _ENABLED
     if _ENABLED:
         return True
-    if torch.cuda.is_available() and not force:
+    if torch.cuda.is_available():
         return False
     _disable_dynamo()
     for module_name, why in _MODULES:
@@ -363,5 +360,5 @@ def is_enabled() -> bool:
 
 
 def applied() -> list[str]:
-    """What :func:`enable_cpu_mode` changed, one line per patch (for logs and the dry run)."""
+    """What :func:`enable_cpu_mode` changed, one line per patch (for logs)."""
     return list(_APPLIED)

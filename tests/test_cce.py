@@ -32,7 +32,6 @@ from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.api import resolve_impl
 from fused_lce.function import filter_settings
 from fused_lce.kernels.backward import FILTER_MASS, backward_config
-from fused_lce.kernels.common import INTERPRET
 from fused_lce.options import LCEOptions, filter_budget
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -1,0 +1,302 @@
+"""scripts/pretrain_gpt.py on real megatron-core over gloo: flags, plans, losses, resume.
+
+Tiers: flags and --dry-run in this process (no ranks); the pipeline split against megatron's own
+get_num_layers_to_build; fused_lce.parallel.megatron_cpu's patches; then torchrun jobs of two CPU
+processes each, which train the tiny model (2 layers, hidden 64, vocab 1000, sequence 32,
+micro-batch 2) for a few steps:
+
+    TP=2             cce, native and unfused megatron losses agree (one job, compare_losses.py)
+    TP=2 + SP        the same with sequence parallelism
+    PP=2 (TP=1)      the same with the loss on the last stage, loss counted in the split,
+                     tied embeddings (tiny_tied)
+    DP=2             distributed optimizer + bf16 (megatron's mixed-precision optimizer on CPU)
+    resume           save at step 2, resume to 4 == an uninterrupted 4-step run, bitwise
+
+About a minute and a half on two cores, mostly process start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import pretrain_gpt  # noqa: E402
+
+from fused_lce.configs import known_models  # noqa: E402
+
+TINY = ["--config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--vocab-size", "1000",
+        "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+def _adapter_installed() -> bool:
+    try:
+        from fused_lce.parallel import megatron as lce_megatron
+    except ImportError:
+        return False
+    return hasattr(lce_megatron, "install")
+
+
+needs_adapter = pytest.mark.skipif(
+    not _adapter_installed(), reason="fused_lce.parallel.megatron.install is not available yet")
+
+_N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+two_ranks = pytest.mark.skipif(
+    0 < _N_GPUS < 2, reason="the torchrun jobs need 2 GPUs on a CUDA machine (or none: gloo)")
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def _torchrun(script: str, *flags: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=2", str(SCRIPTS / script), *flags])
+
+
+def _compare(tmp_path, *flags: str, steps: int = 3) -> dict:
+    out = tmp_path / "losses.json"
+    proc = _run([sys.executable, str(SCRIPTS / "compare_losses.py"), "--steps", str(steps),
+                 "--json", str(out), *TINY, *flags])
+    result = json.loads(out.read_text())
+    result["stdout"] = proc.stdout
+    return result
+
+
+def _assert_losses_agree(result: dict, tol: float = 1e-4) -> None:
+    losses = result["losses"]
+    ref = losses["cce"]
+    assert all(v == v and 0 < v < 20 for v in ref), f"cce losses not sane: {ref}"
+    for impl, values in losses.items():
+        rel = [abs(a - b) / abs(b) for a, b in zip(ref, values)]
+        assert max(rel) <= tol, (
+            f"cce vs {impl}: worst relative difference {max(rel):.2e} > {tol:.0e}\n"
+            + result["stdout"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags and plans (no ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_help_lists_megatron_flags_and_cce(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--sequence-parallel", "--context-parallel-size", "--micro-batch-size",
+                 "--global-batch-size", "--cross-entropy-loss-fusion",
+                 "--cross-entropy-fusion-impl", "--account-for-loss-in-pipeline-split",
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--untie-embeddings-and-output-weights", "--transformer-impl", "--dry-run",
+                 "--save", "--load", "--mock-data", "--data-path"):
+        assert flag in text, flag
+    assert "cce" in text and "linear" in text
+
+
+def test_help_as_a_script():
+    proc = _run([sys.executable, str(SCRIPTS / "pretrain_gpt.py"), "--help"], timeout=120)
+    assert "--cross-entropy-fusion-impl" in proc.stdout
+
+
+@pytest.mark.parametrize("config", known_models())
+def test_dry_run_each_config(config, capsys):
+    pretrain_gpt.main(["--config", config, "--dry-run", "--world-size", "8",
+                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                       "2", "--sequence-parallel", "--cross-entropy-fusion-impl", "cce"])
+    text = capsys.readouterr().out
+    assert f"model       {config}:" in text
+    assert "world 8 = TP 2 x PP 2 x CP 1 x DP 2" in text
+    assert "stage 0   embedding" in text and "loss (cce)" in text
+
+
+def test_dry_run_defaults_and_overrides(capsys):
+    args = pretrain_gpt.parse_args(["--config", "gemma2_2b", "--num-layers", "4",
+                                    "--hidden-size", "128", "--vocab-size", "5000", "--dry-run"])
+    assert args.model.num_layers == 4 and args.model.hidden_size == 128
+    assert args.untie_embeddings_and_output_weights is False  # gemma2 ties
+    assert args.padded_vocab_size == 5120
+    args = pretrain_gpt.parse_args(["--config", "llama3_8b", "--dry-run"])
+    assert args.untie_embeddings_and_output_weights is True
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--dry-run"])
+    assert args.cross_entropy_loss_fusion  # implied
+    with pytest.raises(SystemExit, match="not divisible"):
+        pretrain_gpt.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2",
+                                 "--account-for-loss-in-pipeline-split", "--dry-run"])
+
+
+@pytest.mark.parametrize("case", [
+    dict(num_layers=8, pp=2),
+    dict(num_layers=7, pp=2, account_loss=True),
+    dict(num_layers=6, pp=4, account_loss=True, account_embedding=True),
+    dict(num_layers=10, pp=3, first=2, last=4),
+    dict(num_layers=9, pp=4, last=3),
+])
+def test_stage_split_matches_megatron(case):
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "pp_rank" not in pretrain_gpt.inspect.signature(get_num_layers_to_build).parameters:
+        pytest.skip("this megatron-core's get_num_layers_to_build takes no pp_rank")
+    ours = pretrain_gpt.stage_layer_counts(
+        case["num_layers"], case["pp"], case.get("first"), case.get("last"),
+        case.get("account_embedding", False), case.get("account_loss", False))
+    config = TransformerConfig(
+        num_layers=case["num_layers"], hidden_size=64, num_attention_heads=4,
+        pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=case.get("first"),
+        num_layers_in_last_pipeline_stage=case.get("last"),
+        account_for_embedding_in_pipeline_split=case.get("account_embedding", False),
+        account_for_loss_in_pipeline_split=case.get("account_loss", False))
+    theirs = [get_num_layers_to_build(config, pp_rank=r) for r in range(case["pp"])]
+    assert ours == theirs
+
+
+def test_learning_rate_schedule():
+    args = pretrain_gpt.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
+                                    "2", "--train-iters", "10", "--dry-run"])
+    lrs = [pretrain_gpt.learning_rate(args, s) for s in range(1, 11)]
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+    assert lrs[2] == pytest.approx(1e-3)  # first decay step runs at the peak
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] > 1e-4
+
+
+def test_mock_data_is_seeded_and_step_addressed():
+    args = pretrain_gpt.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
+    data = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None)
+    a = [b["tokens"] for b in data.microbatches(3, args, 0, "cpu")]
+    b = [b["tokens"] for b in pretrain_gpt.TokenWindows(32, 1000, 7, None)
+         .microbatches(3, args, 0, "cpu")]
+    assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))
+    other = next(data.microbatches(4, args, 0, "cpu"))["tokens"]
+    assert not torch.equal(a[0], other)
+    assert int(a[0].max()) < 1000 and a[0].shape == (2, 32)
+
+
+def test_token_file_round_trip(tmp_path):
+    import build_token_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world, hello again\n")
+    (src / "b.md").write_text("# title\nworld\n")
+    for tokenizer in ("byte", "word"):
+        out = tmp_path / tokenizer
+        build_token_file.main(["--source", str(src), "--out", str(out), "--tokenizer",
+                               tokenizer, "--vocab-size", "300"])
+        meta = json.loads(out.with_suffix(".json").read_text())
+        tokens = np.fromfile(out.with_suffix(".bin"), dtype=meta["dtype"])
+        assert int(tokens.max()) < meta["vocab_size"] and meta["num_tokens"] == len(tokens)
+        text = build_token_file.decode(tokens.tolist(), meta)
+        assert text == "hello world, hello again\n\n# title\nworld\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_lce.parallel.megatron_cpu
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode applies only without CUDA")
+def test_cpu_mode_patches_once():
+    from megatron.core.pipeline_parallel import schedules
+
+    from fused_lce.parallel import megatron_cpu
+
+    assert megatron_cpu.enable_cpu_mode() is True
+    count = len(megatron_cpu.applied())
+    assert megatron_cpu.enable_cpu_mode() is True and len(megatron_cpu.applied()) == count
+    assert any("schedules" in line for line in megatron_cpu.applied())
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    counter = schedules.torch.zeros([], dtype=torch.int, device="cuda")
+    assert counter.device.type == "cpu"
+    assert schedules.torch.cuda.current_device() == torch.device("cpu")
+    assert schedules.torch.Tensor is torch.Tensor  # everything else is torch itself
+
+
+# ---------------------------------------------------------------------------------------------
+# Training jobs (torchrun, two ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+@two_ranks
+@needs_adapter
+def test_tp2_cce_matches_megatron_losses(tmp_path):
+    result = _compare(tmp_path, "--tensor-model-parallel-size", "2")
+    _assert_losses_agree(result)
+    # fp32 throughout: cce and megatron's unfused loss see the same math.
+    assert result["losses"]["cce"] == pytest.approx(result["losses"]["unfused"], rel=1e-6)
+
+
+@two_ranks
+@needs_adapter
+def test_tp2_sequence_parallel(tmp_path):
+    result = _compare(tmp_path, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    _assert_losses_agree(result)
+    plain = _compare(tmp_path, "--tensor-model-parallel-size", "2", "--impls", "cce,unfused")
+    # SP changes where the norms run, not the math.
+    assert result["losses"]["cce"] == pytest.approx(plain["losses"]["cce"], rel=1e-5)
+
+
+@two_ranks
+@needs_adapter
+def test_pp2_cce_on_last_stage(tmp_path):
+    # Tied embeddings: the last stage's output weight is a copy synced with the first stage's.
+    result = _compare(tmp_path, "--config", "tiny_tied", "--tensor-model-parallel-size", "1",
+                      "--pipeline-model-parallel-size", "2", "--num-layers", "3",
+                      "--account-for-loss-in-pipeline-split", "--global-batch-size", "4")
+    _assert_losses_agree(result)
+    assert "PP 2" in result["stdout"] and "tied embeddings" in result["stdout"]
+
+
+@two_ranks
+def test_dp2_distributed_optimizer_bf16(tmp_path):
+    impl = "cce" if _adapter_installed() else "native"
+    log = tmp_path / "log.json"
+    proc = _torchrun("pretrain_gpt.py", *TINY, "--global-batch-size", "4", "--train-iters", "2",
+                     "--use-distributed-optimizer", "--bf16", "--cross-entropy-fusion-impl",
+                     impl, "--log-json", str(log))
+    assert "optimizer   megatron" in proc.stdout, proc.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0 < r["loss"] < 20 for r in records)
+
+
+@two_ranks
+def test_resume_continues_bitwise(tmp_path):
+    impl = "cce" if _adapter_installed() else "native"
+    common = [*TINY, "--tensor-model-parallel-size", "2", "--cross-entropy-fusion-impl", impl,
+              "--lr", "3e-3", "--lr-decay-iters", "4"]
+    ckpt = tmp_path / "ckpt"
+
+    def losses(name: str, *flags: str) -> dict[int, float]:
+        log = tmp_path / f"{name}.json"
+        _torchrun("pretrain_gpt.py", *common, "--log-json", str(log), *flags)
+        return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+    straight = losses("straight", "--train-iters", "4")
+    first = losses("first", "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    resumed = losses("resumed", "--train-iters", "4", "--load", str(ckpt))
+    assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert first == {k: straight[k] for k in (1, 2)}
+    assert resumed == {k: straight[k] for k in (3, 4)}, (straight, resumed)
