@@ -23,9 +23,9 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
                                             than saved: saves (TP-1)/TP of N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
               reduce-scatter d_hidden       [N x D -> N/TP x D] fp32
-    per call  all-gather of shard layout    [TP x 2] int64 and a host sync, unless both
+    per call  all-gather of shard layout    [TP x 3] int64 and a host sync, unless both
                                             ``vocab_start_index`` and ``vocab_size`` are given
-    debug     all-gather of shapes          [TP x 4] int64, only with ``debug=True``
+    debug     all-gather of shapes          [TP x 5] int64, only with ``debug=True``
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ def vocab_parallel_linear_cross_entropy(
     for name, value in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if debug:
+        # Before any check that could raise on one rank only: the others would hang.
+        _check_agreement(input, weight, target, sequence_parallel, group)
     tp = comm.world_size(group)
     if sequence_parallel:
         if input.dim() < 2:
@@ -152,8 +155,6 @@ def vocab_parallel_linear_cross_entropy(
         raise ValueError(
             f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
         )
-    if debug:
-        _check_agreement(input, weight, start, total, sequence_parallel, group)
     # The single-device checks (dtypes, devices, D, bias), with this shard as the weight and,
     # under SP, the rows of target that match this rank's input; the target range is checked
     # against the global vocabulary below.
@@ -310,15 +311,16 @@ def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int
     Not cached: a layout can change between calls (another vocabulary on the same group) while
     one rank's shard keeps its size, and a rank that skipped the collective would hang the rest.
     """
-    if given is not None and given < 0:
-        raise ValueError(f"vocab_start_index must be >= 0, got {given}")
     cdev = comm.collective_device(group, device)
-    sizes = comm.all_gather_ints([local_rows, -1 if given is None else given], group, cdev).cpu()
-    rows, starts = sizes[:, 0].tolist(), sizes[:, 1].tolist()
+    facts = [local_rows, int(given is not None), 0 if given is None else given]
+    gathered = comm.all_gather_ints(facts, group, cdev).cpu()
+    rows, flags, starts = (gathered[:, i].tolist() for i in range(3))
     me = comm.rank(group)
-    if len({s < 0 for s in starts}) > 1:
-        # Every rank sees the same gathered starts, so every rank raises.
+    # Every rank sees the same gathered facts, so every rank raises, and none hangs.
+    if len(set(flags)) > 1:
         raise ValueError("vocab_start_index must be given on every rank or on none")
+    if any(s < 0 for s in starts):
+        raise ValueError(f"vocab_start_index must be >= 0 on every rank, got {starts}")
     if given is None:
         offsets = [sum(rows[:r]) for r in range(len(rows))]
     else:
@@ -336,14 +338,21 @@ def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int
     return offsets[me], expected
 
 
-def _check_agreement(input, weight, start, total, sequence_parallel, group) -> None:
+def _check_agreement(input, weight, target, sequence_parallel, group) -> None:
+    """Every rank raises if the ranks disagree on the shapes the collectives will move."""
     cdev = comm.collective_device(group, input.device)
-    n_local = input.reshape(-1, input.shape[-1]).shape[0]
-    shapes = comm.all_gather_ints([n_local, input.shape[-1], weight.shape[1], total], group, cdev)
-    shapes = shapes.cpu().tolist()
-    if len({tuple(s[1:]) for s in shapes}) != 1 or len({s[0] for s in shapes}) != 1:
+    facts = [
+        input.numel() // max(input.shape[-1], 1) if input.dim() else -1,
+        input.shape[-1] if input.dim() else -1,
+        weight.shape[-1] if weight.dim() else -1,
+        target.numel(),
+        int(bool(sequence_parallel)),
+    ]
+    shapes = comm.all_gather_ints(facts, group, cdev).cpu().tolist()
+    if len({tuple(s) for s in shapes}) != 1:
         raise ValueError(
-            "ranks disagree on (tokens, input D, weight D, vocabulary): "
+            "ranks disagree on (input tokens, input D, weight D, target tokens, "
+            "sequence_parallel): "
             + ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
         )
 

@@ -1,0 +1,58 @@
+"""The vocab-parallel layer on NCCL with the real kernels: one process per GPU (skipped without).
+
+The comparisons of test_parallel.py (helpers_parallel.check_case) at a moderate size, where the
+GPU tile configs and chunk plans matter: input (S, B, D) = (64, 4, 512), a vocabulary of 50000
+classes (50048 rows with Megatron-style padding). Each rank draws the problem on the CPU, keeps
+its shards on its GPU, and compares its loss, lse, input gradient (with SP its sequence shard)
+and weight/bias gradient shard with the float64 reference on the whole weight, computed on the
+CPU; 16-bit cases are held to ``2 * err(torch in the same dtype on the GPU) + atol``.
+
+Run on a machine with 2 (or 4) GPUs: ``python -m pytest -q tests/test_parallel_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_parallel import case, run_cases, run_on_ranks
+
+pytestmark = pytest.mark.requires_gpus(2)
+
+F32, BF16 = torch.float32, torch.bfloat16
+S, B, D = 64, 4, 512
+V = 50000
+V_PADDED = 50048  # divisible by 2 and 4 (and by 128 * 4 / 4: Megatron's per-rank padding)
+
+
+def _cases() -> list[dict]:
+    return [
+        case("f32-mean", "cce", V),
+        case("f32-sp-everything-padding", "cce", V_PADDED, vocab_size=V, sp=True, bias=True,
+             reduction="sum", label_smoothing=0.1, softcap=30.0, z_loss=1e-4, return_lse=True),
+        case("f32-uniform-none-tiles", "cce", V, regime="near-uniform", reduction="none",
+             backward="tiles"),
+        case("bf16-mean-bias", "cce", V, dtype=BF16, bias=True),
+        case("bf16-sp-none-lse-padding-softcap", "cce", V_PADDED, vocab_size=V, dtype=BF16,
+             sp=True, reduction="none", return_lse=True, softcap=30.0),
+        case("bf16-sp-tiles-debug", "cce", V, dtype=BF16, sp=True, backward="tiles",
+             debug=True),
+        case("bf16-uniform-smoothing-zloss", "cce", V, dtype=BF16, regime="near-uniform",
+             label_smoothing=0.1, z_loss=1e-4),
+        case("bf16-sp-chunked-bias", "chunked", V, dtype=BF16, sp=True, bias=True),
+        case("bf16-sp-accumulator-padding", "cce", V_PADDED, vocab_size=V, dtype=BF16, sp=True,
+             accumulate=True),
+    ]
+
+
+def _suite(rank: int, world: int) -> list[str]:
+    return run_cases(rank, world, _cases(), shape=(S, B, D), device=f"cuda:{rank}")
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(2, id="tp2"), pytest.param(4, id="tp4", marks=pytest.mark.requires_gpus(4))],
+)
+def test_matches_single_device_nccl(world, tmp_path):
+    # Generous timeout: the first call of each kernel compiles it.
+    run_on_ranks(world, _suite, out_dir=tmp_path, backend="nccl", timeout_s=600,
+                 interpret=False)
