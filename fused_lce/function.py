@@ -18,7 +18,13 @@ from .kernels.grad_logits import lce_backward_gemm
 from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import LSEStats, lse_forward
 from .options import LCEOptions
-from .terms import GradCoefficients, grad_coefficients, token_loss
+from .terms import (
+    GradCoefficients,
+    grad_coefficients,
+    loss_gradient_per_token,
+    reduce_tokens,
+    token_loss,
+)
 
 _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
@@ -90,27 +96,6 @@ def masked_token_loss(
     """Per-token loss (N,) from global statistics; 0 for ignored tokens."""
     loss = token_loss(lse, target_logit, row_sum, n_classes, opts)
     return torch.where(valid, loss, torch.zeros_like(loss))
-
-
-def reduce_tokens(loss: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "none":
-        return loss
-    total = loss.sum()
-    if reduction == "sum":
-        return total
-    return total / n_valid
-
-
-def loss_gradient_per_token(
-    grad_loss: torch.Tensor, n_rows: int, n_valid: torch.Tensor, reduction: str
-) -> torch.Tensor:
-    """d(reduced loss)/d(token loss) times the incoming gradient, (N,) fp32."""
-    grad_loss = grad_loss.float()
-    if reduction == "none":
-        return grad_loss.reshape(n_rows)
-    if reduction == "mean":
-        grad_loss = grad_loss / n_valid
-    return grad_loss.expand(n_rows)
 
 
 def masked_grad_coefficients(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .options import LCEOptions
+from .terms import reduce_tokens
 
 
 def softcap_fn(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -50,15 +51,6 @@ def per_token_loss(
     return loss, lse
 
 
-def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "none":
-        return loss
-    total = loss.sum()
-    if reduction == "sum":
-        return total
-    return total / valid.sum()
-
-
 def reference_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -72,5 +64,5 @@ def reference_linear_cross_entropy(
     """
     logits = full_logits(hidden, weight, bias, opts)
     loss, lse = per_token_loss(logits, target, opts)
-    loss = reduce_loss(loss, target != opts.ignore_index, opts.reduction)
+    loss = reduce_tokens(loss, (target != opts.ignore_index).sum(), opts.reduction)
     return loss, lse

@@ -1,5 +1,5 @@
-"""The per-token terms every implementation shares: the loss from statistics, and the
-coefficients of the logit gradient. Pure torch on (N,) vectors; no kernels, no collectives.
+"""The per-token terms every implementation shares: the loss from statistics, its reduction, and
+the coefficients of the logit gradient. Pure torch on (N,) vectors; no kernels, no collectives.
 
 For a token with log-sum-exp ``lse``, target logit ``z_y``, row sum of logits ``S`` over ``V``
 classes and upstream loss gradient ``g`` (``grad_lse`` for the returned LSE):
@@ -62,3 +62,25 @@ def grad_coefficients(
     if opts.label_smoothing > 0:
         smooth_coef = g * (opts.label_smoothing / num_classes)
     return GradCoefficients(p_coef.contiguous(), tgt_coef.contiguous(), smooth_coef)
+
+
+def reduce_tokens(loss: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Reduce per-token losses (ignored tokens hold 0) like torch: "mean" over n_valid tokens."""
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / n_valid
+
+
+def loss_gradient_per_token(
+    grad_loss: torch.Tensor, n_rows: int, n_valid: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """d(reduced loss)/d(token loss) times the incoming gradient, (N,) fp32."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.reshape(n_rows)
+    if reduction == "mean":
+        grad_loss = grad_loss / n_valid
+    return grad_loss.expand(n_rows)

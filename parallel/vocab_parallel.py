@@ -35,7 +35,13 @@ import torch.distributed as dist
 
 from fused_lce.api import resolve_impl, validate
 from fused_lce.options import LCEOptions
-from fused_lce.terms import GradCoefficients, grad_coefficients, token_loss
+from fused_lce.terms import (
+    GradCoefficients,
+    grad_coefficients,
+    loss_gradient_per_token,
+    reduce_tokens,
+    token_loss,
+)
 
 from . import comm
 
@@ -137,11 +143,6 @@ def vocab_parallel_linear_cross_entropy(
                 f"with sequence_parallel, target must cover the whole sequence: expected shape "
                 f"{full_shape} (input's first dimension times TP={tp}), got {tuple(target.shape)}"
             )
-    elif tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape {tuple(input.shape[:-1])} (input's shape without D), "
-            f"got {tuple(target.shape)}"
-        )
 
     if vocab_start_index is not None and vocab_size is not None and not debug:
         # The caller knows the layout (Megatron's adapter does): no collective, no host sync.
@@ -219,10 +220,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         loss = torch.where(valid, loss, zero)
         lse = torch.where(valid, lse, zero)
         n_valid = valid.sum()
-        if opts.reduction == "sum":
-            loss = loss.sum()
-        elif opts.reduction == "mean":
-            loss = loss.sum() / n_valid
+        loss = reduce_tokens(loss, n_valid, opts.reduction)
 
         ctx.save_for_backward(input, weight, bias, flat_target, lse, n_valid)
         ctx.state = state
@@ -246,14 +244,9 @@ class _VocabParallelLCE(torch.autograd.Function):
         n_rows = hidden.shape[0]
         valid = target != opts.ignore_index
         zero = torch.zeros_like(lse)
-        if grad_loss is None:
-            g = zero
-        elif opts.reduction == "none":
-            g = grad_loss.reshape(n_rows).float()
-        elif opts.reduction == "mean":
-            g = (grad_loss.float() / n_valid).expand(n_rows)
-        else:
-            g = grad_loss.float().expand(n_rows)
+        g = zero
+        if grad_loss is not None:
+            g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction)
         g = torch.where(valid, g, zero)
         if grad_lse is not None:
             grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
