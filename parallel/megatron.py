@@ -103,7 +103,13 @@ def install(model=None, **options):
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; expected some of {_OPTION_NAMES}")
     if model is None:
-        from megatron.core.models.gpt import GPTModel
+        try:
+            from megatron.core.models.gpt import GPTModel
+        except ImportError as exc:
+            raise ImportError(
+                "--cross-entropy-fusion-impl cce needs megatron-core: pip install "
+                "fused_lce[megatron]"
+            ) from exc
 
         name = _hook_name(GPTModel)
         original = getattr(GPTModel, name)
@@ -207,7 +213,16 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
     group = _tensor_parallel_group(gpt)
     weight = deferred.weight
     # Megatron splits the (padded) vocabulary evenly: the layout is known, no collective needed.
-    options = {"vocab_size": weight.shape[0] * dist.get_world_size(group), **options}
+    padded = weight.shape[0] * dist.get_world_size(group)
+    expected = getattr(gpt, "vocab_size", padded)
+    if padded != expected:
+        raise ValueError(
+            f"--cross-entropy-fusion-impl {gpt.config.cross_entropy_fusion_impl}: the output "
+            f"weight shard has {weight.shape[0]} rows x TP={dist.get_world_size(group)} = "
+            f"{padded}, but the model's vocabulary is {expected}; cce needs Megatron's even "
+            "vocabulary split"
+        )
+    options = {"vocab_size": padded, **options}
     accumulator = None
     if getattr(gpt.config, "gradient_accumulation_fusion", False):
         accumulator = getattr(weight, "main_grad", None)

@@ -1023,6 +1023,11 @@ def main(argv=None) -> None:
     if args.dry_run:
         print(describe(args))
         return
+    if importlib.util.find_spec("megatron.core") is None:
+        raise SystemExit(
+            "pretrain_gpt.py needs megatron-core (--cross-entropy-fusion-impl "
+            f"{args.cross_entropy_fusion_impl}): pip install -e .[megatron]"
+        )
     train(args)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

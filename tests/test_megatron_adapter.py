@@ -1,0 +1,169 @@
+"""The megatron adapter's mechanics on a stand-in model (no megatron-core needed).
+
+``FakeGPT`` has the two calls the adapter relies on in GPTModel._postprocess: the output layer
+``(logits, bias) = output_layer(hidden, weight=...)`` and ``compute_language_model_loss(labels,
+logits)`` returning the per-token loss [b, s]. The real models are exercised through the launcher
+(test_launcher.py) and the Megatron-LM parser on the GPU machines (test_megatron_plugin.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import assert_close_rel
+from torch import nn
+
+from fused_lce.parallel import megatron as lce_megatron
+
+S, B, D, V = 7, 3, 16, 50
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group in this process, torn down after the module."""
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+class OutputLayer(nn.Module):
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, D) * 0.3)
+        self.bias = None
+        self.sequence_parallel = False
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        return input_ @ weight.t(), None
+
+
+class FakeGPT(nn.Module):
+    def __init__(self, group, impl="cce", vocab=V, fusion=True):
+        super().__init__()
+        self.config = SimpleNamespace(
+            cross_entropy_loss_fusion=fusion,
+            cross_entropy_fusion_impl=impl,
+            gradient_accumulation_fusion=False,
+        )
+        self.pg_collection = SimpleNamespace(tp=group)
+        self.vocab_size = vocab
+        self.output_layer = OutputLayer(V)
+        self.logits_calls = 0
+
+    def compute_language_model_loss(self, labels, logits):
+        self.logits_calls += 1
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten(), reduction="none")
+        return loss.view(labels.t().shape).t()
+
+    def _postprocess(self, hidden_states, labels=None):
+        logits, _ = self.output_layer(hidden_states)
+        if labels is None:
+            return logits.transpose(0, 1)
+        return self.compute_language_model_loss(labels, logits)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(S, B, D, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    return hidden, labels
+
+
+def test_cce_route_matches_the_model_own_loss(group):
+    torch.manual_seed(0)
+    native, cce = FakeGPT(group, fusion=False), FakeGPT(group)
+    cce.load_state_dict(native.state_dict())
+    lce_megatron.install(cce)
+    hidden, labels = _inputs()
+    h2 = hidden.detach().clone().requires_grad_()
+    expected = native._postprocess(hidden, labels=labels)
+    got = cce._postprocess(h2, labels=labels)
+    assert cce.logits_calls == 0, "the cce route must not form logits"
+    assert got.shape == (B, S)
+    assert_close_rel(got, expected, 1e-5, "per-token loss")
+    expected.sum().backward()
+    got.sum().backward()
+    assert_close_rel(h2.grad, hidden.grad, 1e-5, "hidden grad")
+    assert_close_rel(cce.output_layer.weight.grad, native.output_layer.weight.grad, 1e-5, "weight")
+
+
+def test_without_labels_the_logits_path_runs(group):
+    gpt = FakeGPT(group)
+    lce_megatron.install(gpt)
+    hidden, _ = _inputs(1)
+    logits = gpt._postprocess(hidden)
+    assert logits.shape == (B, S, V)
+
+
+def test_other_impls_are_untouched(group):
+    gpt = FakeGPT(group, impl="native")
+    lce_megatron.install(gpt)
+    hidden, labels = _inputs(2)
+    gpt._postprocess(hidden, labels=labels)
+    assert gpt.logits_calls == 1
+
+
+def test_install_twice_is_harmless(group):
+    gpt = FakeGPT(group)
+    lce_megatron.install(gpt)
+    first = gpt._postprocess
+    lce_megatron.install([gpt])
+    assert gpt._postprocess is first
+    hidden, labels = _inputs(3)
+    assert gpt._postprocess(hidden, labels=labels).shape == (B, S)
+
+
+def test_uneven_vocabulary_is_refused_naming_the_flag(group):
+    gpt = FakeGPT(group, vocab=V + 2)
+    lce_megatron.install(gpt)
+    hidden, labels = _inputs(4)
+    with pytest.raises(ValueError, match="--cross-entropy-fusion-impl cce"):
+        gpt._postprocess(hidden, labels=labels)
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="unknown option"):
+        lce_megatron.install(nn.Linear(2, 2), temperature=2.0)
+
+
+def test_gradient_goes_into_main_grad(group):
+    torch.manual_seed(0)
+    plain, fused = FakeGPT(group), FakeGPT(group)
+    fused.load_state_dict(plain.state_dict())
+    fused.config.gradient_accumulation_fusion = True
+    weight = fused.output_layer.weight
+    weight.main_grad = torch.full_like(weight, 0.5)
+    weight.grad_added_to_main_grad = False
+    for gpt in (plain, fused):
+        lce_megatron.install(gpt)
+    hidden, labels = _inputs(5)
+    plain._postprocess(hidden, labels=labels).sum().backward()
+    fused._postprocess(hidden.detach(), labels=labels).sum().backward()
+    assert weight.grad_added_to_main_grad, "Megatron's flag must be set"
+    assert_close_rel(weight.main_grad - 0.5, plain.output_layer.weight.grad, 1e-5, "main_grad")
+
+
+def test_parser_gets_cce_choices():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    lce_megatron.add_arguments(lce_megatron.add_arguments(parser))
+    assert parser.parse_args(["--cross-entropy-fusion-impl", "linear"]).cross_entropy_fusion_impl
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cross-entropy-fusion-impl", "bogus"])
+    fresh = lce_megatron.add_arguments(argparse.ArgumentParser())
+    assert fresh.parse_args(["--cross-entropy-fusion-impl", "cce"]).cross_entropy_fusion_impl == "cce"
