@@ -166,4 +166,5 @@ def test_parser_gets_cce_choices():
     with pytest.raises(SystemExit):
         parser.parse_args(["--cross-entropy-fusion-impl", "bogus"])
     fresh = lce_megatron.add_arguments(argparse.ArgumentParser())
-    assert fresh.parse_args(["--cross-entropy-fusion-impl", "cce"]).cross_entropy_fusion_impl == "cce"
+    args = fresh.parse_args(["--cross-entropy-fusion-impl", "cce"])
+    assert args.cross_entropy_fusion_impl == "cce"
