@@ -65,6 +65,7 @@ import torch
 
 from fused_lce.configs import known_models, load_model_config
 from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.pp_memory import stage_layer_counts
 
 IMPLS_MEGATRON = ("native", "te")
 
@@ -188,58 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------
 # The resolved plan (pure Python: used by --dry-run and checked against megatron at build time)
 # ----------------------------------------------------------------------------------------------
-
-
-def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
-                       last: int | None = None, account_embedding: bool = False,
-                       account_loss: bool = False) -> list[int]:
-    """Transformer layers per pipeline stage, by megatron-core's rules (get_num_layers_to_build).
-
-    Raises:
-        ValueError: the split is impossible, with megatron's reason in words.
-    """
-    if pp == 1:
-        if first is not None or last is not None:
-            raise ValueError("--decoder-first/last-pipeline-num-layers need PP > 1")
-        return [num_layers]
-    if first is not None or last is not None:
-        if account_embedding or account_loss:
-            raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
-                             "--account-for-embedding/loss-in-pipeline-split")
-        rest, stages = num_layers, pp
-        for given in (first, last):
-            if given is not None:
-                if given <= 0:
-                    raise ValueError("first/last stage layer counts must be positive")
-                rest, stages = rest - given, stages - 1
-        if stages > 0:
-            if rest < 0 or rest % stages:
-                raise ValueError(f"{rest} layers left for {stages} middle stage(s): must divide")
-            middle = rest // stages
-        elif rest != 0:
-            raise ValueError(f"first + last stage layers ({num_layers - rest}) != num_layers "
-                             f"({num_layers})")
-        else:
-            middle = 0
-        counts = [middle] * pp
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return counts
-    units = num_layers + int(account_embedding) + int(account_loss)
-    if units % pp:
-        what = "num_layers" + (" + 1 (embedding)" if account_embedding else "") + \
-            (" + 1 (loss)" if account_loss else "")
-        raise ValueError(f"{what} = {units} is not divisible by PP = {pp}")
-    counts = [units // pp] * pp
-    if account_embedding:
-        counts[0] -= 1
-    if account_loss:
-        counts[-1] -= 1
-    if min(counts) < 0:
-        raise ValueError("not enough layers for the embedding/loss stages")
-    return counts
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:

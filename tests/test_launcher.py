@@ -42,17 +42,6 @@ TINY = ["--config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--vocab
         "--seq-length", "32", "--micro-batch-size", "2"]
 
 
-def _adapter_installed() -> bool:
-    try:
-        from fused_lce.parallel import megatron as lce_megatron
-    except ImportError:
-        return False
-    return hasattr(lce_megatron, "install")
-
-
-needs_adapter = pytest.mark.skipif(
-    not _adapter_installed(), reason="fused_lce.parallel.megatron.install is not available yet")
-
 _N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 two_ranks = pytest.mark.skipif(
     0 < _N_GPUS < 2, reason="the torchrun jobs need 2 GPUs on a CUDA machine (or none: gloo)")
@@ -239,7 +228,6 @@ def test_cpu_mode_patches_once():
 
 
 @two_ranks
-@needs_adapter
 def test_tp2_cce_matches_megatron_losses(tmp_path):
     result = _compare(tmp_path, "--tensor-model-parallel-size", "2")
     _assert_losses_agree(result)
@@ -248,7 +236,6 @@ def test_tp2_cce_matches_megatron_losses(tmp_path):
 
 
 @two_ranks
-@needs_adapter
 def test_tp2_sequence_parallel(tmp_path):
     result = _compare(tmp_path, "--tensor-model-parallel-size", "2", "--sequence-parallel")
     _assert_losses_agree(result)
@@ -258,7 +245,6 @@ def test_tp2_sequence_parallel(tmp_path):
 
 
 @two_ranks
-@needs_adapter
 def test_pp2_cce_on_last_stage(tmp_path):
     # Tied embeddings: the last stage's output weight is a copy synced with the first stage's.
     result = _compare(tmp_path, "--config", "tiny_tied", "--tensor-model-parallel-size", "1",
@@ -270,11 +256,10 @@ def test_pp2_cce_on_last_stage(tmp_path):
 
 @two_ranks
 def test_dp2_distributed_optimizer_bf16(tmp_path):
-    impl = "cce" if _adapter_installed() else "native"
     log = tmp_path / "log.json"
     proc = _torchrun("pretrain_gpt.py", *TINY, "--global-batch-size", "4", "--train-iters", "2",
                      "--use-distributed-optimizer", "--bf16", "--cross-entropy-fusion-impl",
-                     impl, "--log-json", str(log))
+                     "cce", "--log-json", str(log))
     assert "optimizer   megatron" in proc.stdout, proc.stdout
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
@@ -283,8 +268,7 @@ def test_dp2_distributed_optimizer_bf16(tmp_path):
 
 @two_ranks
 def test_resume_continues_bitwise(tmp_path):
-    impl = "cce" if _adapter_installed() else "native"
-    common = [*TINY, "--tensor-model-parallel-size", "2", "--cross-entropy-fusion-impl", impl,
+    common = [*TINY, "--tensor-model-parallel-size", "2", "--cross-entropy-fusion-impl", "cce",
               "--lr", "3e-3", "--lr-decay-iters", "4"]
     ckpt = tmp_path / "ckpt"
 

@@ -1,0 +1,423 @@
+"""An analytic per-stage peak-memory model for pipeline-parallel training, and a layer-split
+recommender that balances it, for the loss layer as megatron-core computes it (``native``) and as
+fused_lce's Cut Cross-Entropy computes it (``cce``).
+
+Pure Python: no torch, no torch.distributed, no megatron. Every figure is bytes on one GPU of a
+pipeline stage (the stage's tensor-parallel ranks are alike). The terms and their assumptions:
+
+Weights, gradients, optimizer (per parameter, mixed precision with Adam):
+    bf16 weight 2 + fp32 main gradient 4 + fp32 main weight 4 + Adam moments 4 + 4 = 18 bytes;
+    with the distributed optimizer the last three are sharded over DP: 6 + 12 / DP bytes.
+    Parameters per TP rank: a layer's matrices / TP (QKV with grouped-query attention, the
+    output projection, a gated MLP of three h x ffn matrices) + its two norms (replicated);
+    the embedding (vocabulary padded to a multiple of 128 x TP, as Megatron does) / TP on the
+    first stage; the output layer on the last stage (when tied and PP > 1, megatron-core keeps
+    a copy of the embedding there, so it is counted on both) and the final norm.
+
+Activations per layer per micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4), with s sequence, b micro-batch, h hidden,
+a heads, t TP, f ffn:
+    no parallelism:  s b h (34 + 5 a s / h)
+    TP, no SP:       s b h (10 + 24 / t + 5 a s / (h t))
+    TP + SP:         s b h (34 + 5 a s / h) / t
+    The 24 of the paper is 8 (attention) + 16 (a 4h GeLU MLP: 8 + 8); for the gated (SwiGLU)
+    MLP that megatron-core builds here it is 8 + 6 f / h (fc1 output 2f wide, activation output
+    f wide, both bf16), which is 16 at f = 4h for GeLU's 4 f / h. Grouped-query attention's
+    smaller K/V and the absence of dropout (dropout 0) are ignored: a slight overestimate.
+    selective recompute drops the 5 a s / h attention-score term. Flash attention (Transformer
+    Engine, the launcher's default on GPUs) never stores the scores either, so `selective` is
+    the right setting for it; `none` is the paper's unfused attention.
+    full recompute stores only each layer's input, 2 s b h (/ t with SP), and rematerialises
+    one layer at a time in the backward (one layer's `selective` activations, added once).
+
+Micro-batches in flight (megatron-core's schedules):
+    1F1B: stage i (0-based) of p runs min(p - i, m) forwards before its first backward, and
+        holds their activations at its peak.
+    interleaved, v model chunks per rank (forward_backward_pipelining_with_interleaving):
+        rank i runs warmup = (p - i - 1) * 2 + (v - 1) * p forwards, then one more in the
+        steady state before its first backward: n = min(warmup + 1, m v) chunk-forwards in
+        flight. Forward k runs on chunk (k // p) % v, so the held activations are
+        sum over k < n of layers(chunk (k // p) % v) x one layer's activations. At v = 1 this is
+        the 1F1B count; for even chunks on rank 0 it is the paper's p (1 + (p - 1) / (p v))
+        stage-equivalents. Megatron needs m divisible by p for this schedule.
+
+Output layer + loss on the last stage, for the one micro-batch at the loss (in 1F1B and
+interleaved schedules the last stage runs a micro-batch's backward right after its forward, so
+only one is at the loss at a time):
+    native: the output layer's logits [s, b, V/t] in bf16 (2 bytes), vocab_parallel_cross_entropy's
+        fp32 copy (4) and its fp32 exp/softmax buffer kept for the backward (4):
+        NATIVE_BYTES_PER_LOGIT = 10 bytes per logit. With SP the sequence is gathered first, so
+        the whole sequence's logits are there.
+    cce: the op's scratch bound (``scratch_mb``, 512 MiB by default; never more than one fp32
+        value per local logit, which only tiny models reach) plus CCE_BYTES_PER_TOKEN = 16 bytes
+        per token (fp32 log-sum-exp, int64 target, fp32 loss).
+
+Not modelled: the CUDA caching allocator's fragmentation and reserve, NCCL and pipeline p2p
+buffers, the CUDA context, and optimizer-step transients. Measured peaks
+(``torch.cuda.max_memory_allocated``) will therefore sit somewhat above these predictions.
+
+Splits are lists of transformer layers per *virtual* stage, p v of them; virtual stage k lives on
+rank k % p as model chunk k // p (Megatron's order). The recommender searches the splits that
+megatron's flags express, the first and last virtual stage free and all others equal
+(``--decoder-first/last-pipeline-num-layers``), and, without virtual stages, every split with at
+least one layer per stage (a ``--pipeline-model-parallel-layout`` string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from fused_lce.configs import ModelConfig
+
+GIB = 2**30
+MIB = 2**20
+NATIVE_BYTES_PER_LOGIT = 10
+"""bf16 logits (2) + fp32 copy (4) + fp32 softmax kept for the backward (4)."""
+CCE_BYTES_PER_TOKEN = 16
+"""fp32 log-sum-exp (4) + int64 target (8) + fp32 per-token loss (4)."""
+
+Recompute = Literal["none", "selective", "full"]
+Loss = Literal["native", "cce"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and training shape, with Megatron's meanings."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule when > 1)."""
+    dp: int = 1
+    distributed_optimizer: bool = False
+    micro_batch: int = 1
+    seq_length: int = 4096
+    num_microbatches: int = 1
+    """Micro-batches per step on each DP rank (global batch / (micro batch x DP))."""
+    recompute: Recompute = "selective"
+    sequence_parallel: bool = False
+    loss: Loss = "native"
+    scratch_mb: float = 512.0
+    """cce's scratch bound in MiB (fused_lce's ``scratch_mb``)."""
+    vocab_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "vpp", "dp", "micro_batch", "seq_length", "num_microbatches",
+                      "vocab_divisible_by"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.loss not in ("native", "cce"):
+            raise ValueError(f"loss must be native or cce, got {self.loss!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("virtual pipeline stages need pp > 1")
+        if not self.scratch_mb > 0:
+            raise ValueError(f"scratch_mb must be > 0, got {self.scratch_mb}")
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on only with TP > 1 (megatron turns it off at TP = 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One pipeline rank's predicted peak, in bytes, by term."""
+
+    stage: int
+    layers: int
+    states: float
+    """Weights, gradients and optimizer states."""
+    activations: float
+    loss: float
+    """The output layer + loss transient (last stage only)."""
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.loss
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron's layer split rules
+# ----------------------------------------------------------------------------------------------
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
+                       last: int | None = None, account_embedding: bool = False,
+                       account_loss: bool = False) -> list[int]:
+    """Transformer layers per pipeline stage, by megatron-core's rules (get_num_layers_to_build).
+
+    Raises:
+        ValueError: the split is impossible, with megatron's reason in words.
+    """
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ValueError("--decoder-first/last-pipeline-num-layers need PP > 1")
+        return [num_layers]
+    if first is not None or last is not None:
+        if account_embedding or account_loss:
+            raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                             "--account-for-embedding/loss-in-pipeline-split")
+        rest, stages = num_layers, pp
+        for given in (first, last):
+            if given is not None:
+                if given <= 0:
+                    raise ValueError("first/last stage layer counts must be positive")
+                rest, stages = rest - given, stages - 1
+        if stages > 0:
+            if rest < 0 or rest % stages:
+                raise ValueError(f"{rest} layers left for {stages} middle stage(s): must divide")
+            middle = rest // stages
+        elif rest != 0:
+            raise ValueError(f"first + last stage layers ({num_layers - rest}) != num_layers "
+                             f"({num_layers})")
+        else:
+            middle = 0
+        counts = [middle] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+    units = num_layers + int(account_embedding) + int(account_loss)
+    if units % pp:
+        what = "num_layers" + (" + 1 (embedding)" if account_embedding else "") + \
+            (" + 1 (loss)" if account_loss else "")
+        raise ValueError(f"{what} = {units} is not divisible by PP = {pp}")
+    counts = [units // pp] * pp
+    if account_embedding:
+        counts[0] -= 1
+    if account_loss:
+        counts[-1] -= 1
+    if min(counts) < 0:
+        raise ValueError("not enough layers for the embedding/loss stages")
+    return counts
+
+
+def layout_string(split: list[int]) -> str:
+    """A ``--pipeline-model-parallel-layout`` string for a split over virtual stages, in
+    megatron-core's syntax (``"Et*3|(tt|)*29,m|L"``): ``E`` the embedding, ``t`` a transformer
+    layer, ``t*n`` n of them, ``L`` the loss, ``,`` between terms, ``|`` between stages."""
+    parts = [f"t*{n}" if n > 1 else "t" * n for n in split]
+    parts[0] = "E" + parts[0]
+    parts[-1] = parts[-1] + ("," if parts[-1] else "") + "L"
+    return "|".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# The terms
+# ----------------------------------------------------------------------------------------------
+
+
+def padded_vocab(cfg: ModelConfig, lay: Layout) -> int:
+    multiple = lay.vocab_divisible_by * lay.tp
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> float:
+    """One transformer layer's parameters on one TP rank."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    attn = h * d * (cfg.num_attention_heads + 2 * cfg.num_query_groups) \
+        + cfg.num_attention_heads * d * h
+    mlp = 3 * h * cfg.ffn_hidden_size
+    return (attn + mlp) / tp + 2 * h
+
+
+def bytes_per_param(lay: Layout) -> float:
+    return 6 + 12 / lay.dp if lay.distributed_optimizer else 18
+
+
+def layer_activation_bytes(cfg: ModelConfig, lay: Layout, recompute: Recompute | None = None
+                           ) -> float:
+    """Activations one layer stores for one micro-batch (Korthikanti et al. 2022)."""
+    recompute = recompute or lay.recompute
+    s, b, h, t = lay.seq_length, lay.micro_batch, cfg.hidden_size, lay.tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if lay.sp else 1)
+    replicated = 10
+    sharded = 8 + 6 * cfg.ffn_hidden_size / h
+    scores = 5 * cfg.num_attention_heads * s / h if recompute == "none" else 0
+    if lay.sp:
+        return sbh * (replicated + sharded + scores) / t
+    return sbh * (replicated + (sharded + scores) / t)
+
+
+def inflight_chunks(lay: Layout, rank: int) -> list[int]:
+    """Model chunk of each forward whose activations rank ``rank`` holds at its peak."""
+    p, v, m = lay.pp, lay.vpp, lay.num_microbatches
+    warmup = p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p
+    n = min(warmup + 1, m * v)
+    return [(k // p) % v for k in range(n)]
+
+
+def loss_bytes(cfg: ModelConfig, lay: Layout) -> float:
+    """The output layer + loss transient for the one micro-batch at the loss."""
+    tokens = lay.seq_length * lay.micro_batch
+    if lay.loss == "native":
+        return tokens * padded_vocab(cfg, lay) / lay.tp * NATIVE_BYTES_PER_LOGIT
+    scratch = min(lay.scratch_mb * MIB, tokens * padded_vocab(cfg, lay) / lay.tp * 4)
+    return scratch + tokens * CCE_BYTES_PER_TOKEN
+
+
+def rank_memory(cfg: ModelConfig, lay: Layout, rank: int, chunks: list[int]) -> StageMemory:
+    """Pipeline rank ``rank``'s predicted peak when its v model chunks hold ``chunks`` layers."""
+    p = lay.pp
+    embedding = padded_vocab(cfg, lay) * cfg.hidden_size / lay.tp
+    params = layer_params(cfg, lay.tp) * sum(chunks)
+    if rank == 0:
+        params += embedding
+    if rank == p - 1:
+        params += cfg.hidden_size
+        if not cfg.tie_embeddings or p > 1:
+            params += embedding
+    acts = layer_activation_bytes(cfg, lay) * sum(chunks[c] for c in inflight_chunks(lay, rank))
+    if lay.recompute == "full" and sum(chunks):
+        acts += layer_activation_bytes(cfg, lay, "selective")
+    loss = loss_bytes(cfg, lay) if rank == p - 1 else 0.0
+    return StageMemory(rank, sum(chunks), params * bytes_per_param(lay), acts, loss)
+
+
+def stage_memory(cfg: ModelConfig, lay: Layout, split: list[int]) -> list[StageMemory]:
+    """Each pipeline rank's predicted peak for a split over the p v virtual stages."""
+    p, v = lay.pp, lay.vpp
+    if len(split) != p * v or sum(split) != cfg.num_layers or min(split) < 0:
+        raise ValueError(f"split {split} must give {cfg.num_layers} layers to {p * v} "
+                         "virtual stages")
+    return [rank_memory(cfg, lay, r, [split[c * p + r] for c in range(v)]) for r in range(p)]
+
+
+def peak(cfg: ModelConfig, lay: Layout, split: list[int]) -> float:
+    return max(s.total for s in stage_memory(cfg, lay, split))
+
+
+# ----------------------------------------------------------------------------------------------
+# The recommender
+# ----------------------------------------------------------------------------------------------
+
+
+def even_split(cfg: ModelConfig, lay: Layout, account_embedding: bool = False,
+               account_loss: bool = False) -> list[int]:
+    """Megatron's default split over the virtual stages (raises ValueError where it has none)."""
+    return stage_layer_counts(cfg.num_layers, lay.pp * lay.vpp, None, None, account_embedding,
+                              account_loss)
+
+
+def first_last_splits(num_layers: int, stages: int):
+    """Every split with the first and last stage free (>= 1 layer) and the others equal."""
+    if stages == 1:
+        yield [num_layers]
+        return
+    for first in range(1, num_layers):
+        for last in range(1, num_layers - first + 1):
+            rest = num_layers - first - last
+            if stages == 2:
+                if rest == 0:
+                    yield [first, last]
+            elif rest > 0 and rest % (stages - 2) == 0:
+                yield [first] + [rest // (stages - 2)] * (stages - 2) + [last]
+
+
+def stage_costs(cfg: ModelConfig, lay: Layout) -> list[list[float]]:
+    """Without virtual stages: ``costs[i][n]``, stage i's peak when it holds n layers (a stage's
+    peak depends only on its own layers)."""
+    if lay.vpp != 1:
+        raise ValueError("stage_costs handles one model chunk per rank")
+    return [[rank_memory(cfg, lay, i, [n]).total for n in range(cfg.num_layers + 1)]
+            for i in range(lay.pp)]
+
+
+def best_first_last(cfg: ModelConfig, lay: Layout) -> list[int] | None:
+    """The split of the first/last family with the smallest largest stage (ties: the one nearest
+    to even), or None where the family is empty."""
+    even = cfg.num_layers / (lay.pp * lay.vpp)
+    if lay.vpp == 1:
+        costs = stage_costs(cfg, lay)
+        top = lambda sp: max(costs[i][n] for i, n in enumerate(sp))
+    else:
+        top = lambda sp: peak(cfg, lay, sp)
+    key = lambda sp: (top(sp), sum(abs(n - even) for n in sp))
+    return min(first_last_splits(cfg.num_layers, lay.pp * lay.vpp), key=key, default=None)
+
+
+def best_any(cfg: ModelConfig, lay: Layout) -> list[int] | None:
+    """The split (>= 1 layer per stage, no virtual stages) with the smallest largest stage.
+
+    Each stage's peak grows with its own layers only, so adding the layers one at a time, each
+    to the stage that stays lowest after it, minimises the largest stage.
+    """
+    if cfg.num_layers < lay.pp:
+        return None
+    costs = stage_costs(cfg, lay)
+    split = [1] * lay.pp
+    for _ in range(cfg.num_layers - lay.pp):
+        i = min(range(lay.pp), key=lambda i: costs[i][split[i] + 1])
+        split[i] += 1
+    return split
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    loss: Loss
+    split: list[int]
+    """Layers per virtual stage, the chosen one."""
+    flags: str | None
+    """The launcher flags for it, where first/last flags express it (no virtual stages)."""
+    layout: str
+    """The ``--pipeline-model-parallel-layout`` string for it."""
+    peak: float
+
+
+def recommend(cfg: ModelConfig, lay: Layout) -> Recommendation | None:
+    """The split with the smallest largest stage for ``lay.loss``: the best of megatron's
+    first/last family and, without virtual stages, of every split; flags where they suffice."""
+    candidates = [sp for sp in (best_first_last(cfg, lay),
+                                best_any(cfg, lay) if lay.vpp == 1 else None) if sp]
+    if not candidates:
+        return None
+    split = min(candidates, key=lambda sp: peak(cfg, lay, sp))
+    flags = None
+    if lay.vpp == 1 and lay.pp > 1 and split in list(first_last_splits(cfg.num_layers, lay.pp)):
+        flags = (f"--decoder-first-pipeline-num-layers {split[0]} "
+                 f"--decoder-last-pipeline-num-layers {split[-1]}")
+    elif lay.pp == 1:
+        flags = ""
+    return Recommendation(lay.loss, split, flags, layout_string(split), peak(cfg, lay, split))
+
+
+def rebalanced_peak(cfg: ModelConfig, lay: Layout) -> float:
+    rec = recommend(cfg, lay)
+    return float("inf") if rec is None else rec.peak
+
+
+def fewest_stages(cfg: ModelConfig, lay: Layout, budget: float) -> int | None:
+    """The smallest PP (same TP, DP, virtual stages, micro-batches) whose rebalanced peak fits."""
+    for pp in range(1, cfg.num_layers // lay.vpp + 1):
+        vpp = lay.vpp if pp > 1 else 1
+        if rebalanced_peak(cfg, lay.replace(pp=pp, vpp=vpp)) <= budget:
+            return pp
+    return None
+
+
+def largest(cfg: ModelConfig, lay: Layout, field: str, budget: float, step: int = 1,
+            limit: int = 2**22) -> int | None:
+    """The largest multiple of ``step`` for ``field`` (seq_length or micro_batch) whose
+    rebalanced peak fits the budget (the peak grows with both)."""
+    fits = lambda k: rebalanced_peak(cfg, lay.replace(**{field: k * step})) <= budget
+    if not fits(1):
+        return None
+    lo, hi = 1, 2
+    while hi * step <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
