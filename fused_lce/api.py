@@ -190,15 +190,21 @@ def validate(
             "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "
             "use reduction='mean' or 'sum', or chunk_by='vocab'"
         )
-    if check_targets and target.numel() > 0:
-        valid = target != opts.ignore_index
-        bad = valid & ((target < 0) | (target >= n_classes))
-        if bool(bad.any()):
-            first = target[bad].flatten()[0].item()
-            raise ValueError(
-                f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
-                f"({opts.ignore_index})"
-            )
+    if check_targets:
+        check_target_range(target, opts.ignore_index, n_classes)
+
+
+def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) -> None:
+    """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
+    if target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bool(bad.any()):
+        first = target[bad].flatten()[0].item()
+        raise ValueError(
+            f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
+            f"({ignore_index})"
+        )
 
 
 def _check_cce_supported(input: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import resolve_impl, validate
+from fused_lce.api import check_target_range, resolve_impl, validate
 from fused_lce.options import LCEOptions
 from fused_lce.terms import (
     GradCoefficients,
@@ -161,15 +161,8 @@ def vocab_parallel_linear_cross_entropy(
     # against the global vocabulary below.
     local_target = target[: input.shape[0]] if sequence_parallel else target
     validate(input, weight, local_target, bias, opts, check_targets=False)
-    if check_targets and target.numel() > 0:
-        valid = target != opts.ignore_index
-        bad = valid & ((target < 0) | (target >= num_classes))
-        if bool(bad.any()):
-            first = target[bad].flatten()[0].item()
-            raise ValueError(
-                f"target holds class {first}, outside [0, {num_classes}) and not ignore_index "
-                f"({opts.ignore_index})"
-            )
+    if check_targets:
+        check_target_range(target, opts.ignore_index, num_classes)
 
     if weight_grad_accumulator is not None and (
         tuple(weight_grad_accumulator.shape) != tuple(weight.shape)
