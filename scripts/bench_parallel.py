@@ -21,7 +21,11 @@ per GPU), so every GPU works during every measurement.
 Providers:
 - ``ours``: ``fused_lce.parallel.vocab_parallel_linear_cross_entropy`` (``--impl``, default
   "cce"): per-shard statistics without logits, one all-reduce MAX and one packed SUM, the
-  backward recomputing each shard's logits.
+  backward recomputing each shard's logits. Called as the megatron adapter calls it: the even
+  shard layout given (no layout collective) and no target range check (no host sync).
+- ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
+- ``collectives``: only our layer's collectives, with its sizes and dtypes and no compute (TP > 1):
+  the most that overlapping them with compute could save.
 - ``megatron`` (when megatron-core is installed): what ColumnParallelLinear followed by
   megatron's loss does: the input enters through ``copy_to_tensor_model_parallel_region``
   (backward: all-reduce of its gradient) or, with SP, ``gather_from_sequence_parallel_region``
@@ -65,7 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fused_lce.configs import known_models, load_model_config  # noqa: E402
 
 MIB = 2**20
-PROVIDERS = ("ours", "megatron", "torch-logits-vp")
+LEAN_SCRATCH_MB = 12
+"""``ours-lean``: the op's scratch bound in MiB (the lean mode of docs/algorithm.md)."""
+PROVIDERS = ("ours", "ours-lean", "megatron", "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
 SMOKE_SHAPE = (48, 32, 1003)
 
@@ -330,14 +336,22 @@ def make_problem(n_tokens, d, v_rows, n_classes, dtype, device, seed):
     return hidden, weight, target
 
 
-def providers(names, args, *, group, vocab_start, sp, softcap):
+def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    def ours(**extra):
+        # As the megatron adapter calls it: the even layout is known (no layout collective) and
+        # targets are not range-checked (no host sync), as megatron's own loss does not.
+        return lambda h, w, t: vocab_parallel_linear_cross_entropy(
+            h, w, t, group=group, vocab_start_index=vocab_start, vocab_size=v_rows,
+            sequence_parallel=sp, softcap=softcap, impl=args.impl, check_targets=False, **extra
+        )
 
     table = {}
     if "ours" in names:
-        table["ours"] = lambda h, w, t: vocab_parallel_linear_cross_entropy(
-            h, w, t, group=group, sequence_parallel=sp, softcap=softcap, impl=args.impl
-        )
+        table["ours"] = ours()
+    if "ours-lean" in names:
+        table["ours-lean"] = ours(scratch_mb=LEAN_SCRATCH_MB)
     # Megatron's sequence-parallel all-gather allocates on CUDA: no SP for it in --cpu-smoke.
     if "megatron" in names and megatron_available() and not (sp and args.cpu_smoke):
         table["megatron"] = lambda h, w, t: megatron_loss(h, w, t, sp=sp, softcap=softcap)
@@ -346,6 +360,47 @@ def providers(names, args, *, group, vocab_start, sp, softcap):
             h, w, t, group=group, vocab_start=vocab_start, sp=sp, softcap=softcap
         )
     return table
+
+
+def measure_collectives(n_tokens, d, dtype, group, sp, args, device) -> dict:
+    """Our layer's collectives alone, with its sizes and dtypes (the module docstring of
+    parallel/vocab_parallel.py): what overlapping them with compute could save at most."""
+    from fused_lce.parallel import comm
+
+    tp = dist.get_world_size(group)
+    hidden = torch.zeros(n_tokens // tp if sp else n_tokens, d, dtype=dtype, device=device)
+    row_max = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    packed_sums = torch.zeros(2 * n_tokens, dtype=torch.float32, device=device)
+    d_hidden = torch.zeros(n_tokens, d, dtype=torch.float32, device=device)
+    timer = Timer(device)
+
+    def forward():
+        if sp:
+            comm.all_gather_first_dim(hidden, group)
+        comm.all_reduce_max_(row_max, group)
+        comm.all_reduce_sum_(packed_sums, group)
+
+    def forward_backward():
+        forward()
+        if sp:
+            comm.all_gather_first_dim(hidden, group)
+            comm.reduce_scatter_first_dim(d_hidden, group)
+        else:
+            comm.all_reduce_sum_(d_hidden, group)
+
+    def timed(fn) -> list[float]:
+        for _ in range(args.warmup):
+            fn()
+        times = []
+        for _ in range(args.iters):
+            dist.barrier()
+            timer.sync()
+            times.append(timer.time_ms(fn))
+        return times
+
+    return {"fwd_ms": statistics.median(timed(forward)),
+            "fwd_bwd_ms": statistics.median(timed(forward_backward)),
+            "extra_mib": math.nan, "loss": math.nan}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,11 +515,16 @@ def main(argv=None) -> None:
                     local = hidden[tp_rank * seq:(tp_rank + 1) * seq] if sp == "on" else hidden
                     local = local.clone()
                     chosen = providers(names, args, group=group, vocab_start=vocab_start,
-                                       sp=sp == "on", softcap=softcap)
+                                       v_rows=v_rows, sp=sp == "on", softcap=softcap)
+                    if "collectives" in names and tp > 1:
+                        chosen["collectives"] = None
                     for name, fn in chosen.items():
-                        result = worst_over_ranks(
-                            measure(fn, local, shard, target, args, device), device
-                        )
+                        if fn is None:
+                            result = measure_collectives(n_tokens, d, dtype, group, sp == "on",
+                                                         args, device)
+                        else:
+                            result = measure(fn, local, shard, target, args, device)
+                        result = worst_over_ranks(result, device)
                         row = {"model": model, "tokens": n_tokens, "vocab_rows": v_rows,
                                "classes": n_classes, "hidden": d, "softcap": softcap,
                                "world": world, "tp": tp, "sp": sp, "provider": name,

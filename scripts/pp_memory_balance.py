@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="llama3_8b",
                    help=f"model shape: {', '.join(known_models())} or a path to a .yaml")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the config's transformer layers (e.g. a few, for --measure)")
     g = p.add_argument_group("layout (megatron's flag names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=2)
@@ -187,7 +190,7 @@ def launcher_command(args, lay: pm.Layout, loss: str, split: list[int], log_json
                          "recomputation")
     world = lay.tp * lay.pp * lay.dp
     cmd = ["torchrun", "--nproc-per-node", str(world), str(ROOT / "scripts" / "pretrain_gpt.py"),
-           "--config", args.config, "--bf16", "--mock-data",
+           "--config", args.config, "--num-layers", str(sum(split)), "--bf16", "--mock-data",
            "--tensor-model-parallel-size", str(lay.tp),
            "--pipeline-model-parallel-size", str(lay.pp),
            "--micro-batch-size", str(lay.micro_batch), "--seq-length", str(lay.seq_length),
@@ -204,16 +207,30 @@ def launcher_command(args, lay: pm.Layout, loss: str, split: list[int], log_json
     return cmd
 
 
-def parse_peaks(log_text: str) -> list[float]:
-    """Per-stage peak GiB from the launcher's --log-json records: the max over the steps."""
+def parse_peaks(log_text: str, key: str = "peak_gib") -> list[float]:
+    """Per-stage GiB from the launcher's --log-json records: the max over the steps of ``key``
+    (``peak_gib``, or ``resident_gib``: what is allocated when a step starts)."""
     records = [json.loads(line) for line in log_text.splitlines() if line.strip()]
     if not records:
         raise ValueError("no records in the launcher's log")
-    return [max(r["peak_gib"][i] for r in records) for i in range(len(records[0]["peak_gib"]))]
+    return [max(r[key][i] for r in records) for i in range(len(records[0][key]))]
+
+
+def launcher_recompute(lay: pm.Layout) -> pm.Layout:
+    """The layout as the launcher runs it: without transformer-engine its layers are megatron's
+    local ones, whose attention stores its scores (no recomputation: ``none``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None and lay.recompute != "none":
+        print(f"note: predicting the measured runs with --recompute none (was {lay.recompute}): "
+              "the launcher's local attention keeps its scores", flush=True)
+        return lay.replace(recompute="none")
+    return lay
 
 
 def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dict]:
     rows = []
+    lay = launcher_recompute(lay)
     for loss in LOSSES:
         lay_l = lay.replace(loss=loss)
         splits = {"given": split}
@@ -228,18 +245,26 @@ def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dic
                 if args.dry_run:
                     continue
                 subprocess.run(cmd, check=True, cwd=ROOT)
-                measured = parse_peaks(Path(log_json).read_text())
-            predicted = [st.total / pm.GIB for st in pm.stage_memory(cfg, lay_l, sp)]
-            for stage, (pred, meas) in enumerate(zip(predicted, measured)):
-                rows.append({"loss": loss, "split": name, "stage": stage, "layers": sp[stage],
-                             "predicted_gib": pred, "measured_gib": meas,
-                             "ratio": meas / pred})
+                log_text = Path(log_json).read_text()
+            measured, resident = parse_peaks(log_text), parse_peaks(log_text, "resident_gib")
+            for st, meas, res in zip(pm.stage_memory(cfg, lay_l, sp), measured, resident):
+                rows.append({"loss": loss, "split": name, "stage": st.stage, "layers": st.layers,
+                             "predicted_gib": st.total / pm.GIB, "measured_gib": meas,
+                             "ratio": meas / (st.total / pm.GIB),
+                             "predicted_states_gib": st.states / pm.GIB,
+                             "measured_resident_gib": res,
+                             "predicted_activations_gib": st.activations / pm.GIB,
+                             "predicted_loss_gib": st.loss / pm.GIB})
     return rows
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     cfg = load_model_config(args.config)
+    if args.num_layers is not None:
+        if args.num_layers < 1:
+            raise SystemExit("--num-layers must be >= 1")
+        cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
     try:
         lay = layout_from_args(args)
         split = starting_split(cfg, lay, args)

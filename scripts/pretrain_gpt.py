@@ -846,18 +846,40 @@ def _peak_memory() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _stage_peaks(device, pp_rank: int, pp: int) -> list[float]:
-    """Peak memory (GiB) of each pipeline stage: the max over the stage's ranks."""
+def _allocated_memory() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _per_stage_gib(value: int, device, pp_rank: int, pp: int) -> list[float]:
+    """A memory figure (bytes on this rank) of each pipeline stage: the max over its ranks."""
     mine = torch.zeros(pp, dtype=torch.float64, device=device)
-    mine[pp_rank] = _peak_memory() / 2**30
+    mine[pp_rank] = value / 2**30
     torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
     return mine.tolist()
+
+
+def build_training(args):
+    """The seeded model and its optimizer, wired to megatron's schedules (after
+    :func:`init_distributed`). Returns (model, gpt, optimizer, optimizer name)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import finalize_model_grads
+
+    torch.manual_seed(args.seed)
+    seed_fn = tensor_parallel.model_parallel_cuda_manual_seed
+    seed_fn(args.seed, **_supported_kwargs(seed_fn, force_reset_rng=True))
+    config = transformer_config(args)
+    model, gpt = build_model(args, config)
+    optimizer, optimizer_name = build_optimizer(args, model, config)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return model, gpt, optimizer, optimizer_name
 
 
 def train(args, log=print) -> list[dict]:
     """Build everything from ``args`` (resolved), train, and return the per-step records.
 
-    The records (step, loss, lr, grad_norm, tokens_per_s, step_s, peak_gib per stage) are
+    The records (step, loss, lr, grad_norm, tokens_per_s, step_s, per stage: peak_gib and
+    resident_gib, what is allocated when a step starts) are
     returned on the reporting rank (last pipeline stage, TP rank 0, DP rank 0); other ranks
     return an empty list. Callable more than once in a process (scripts/compare_losses.py).
     """
@@ -867,8 +889,7 @@ def train(args, log=print) -> list[dict]:
     cpu_mode = enable_cpu_mode()
     init_distributed(args)
 
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -883,14 +904,7 @@ def train(args, log=print) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
 
-    torch.manual_seed(args.seed)
-    seed_fn = tensor_parallel.model_parallel_cuda_manual_seed
-    seed_fn(args.seed, **_supported_kwargs(seed_fn, force_reset_rng=True))
-    config = transformer_config(args)
-    model, gpt = build_model(args, config)
-    optimizer, optimizer_name = build_optimizer(args, model, config)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    model, gpt, optimizer, optimizer_name = build_training(args)
 
     say(describe(args))
     say(f"optimizer   {optimizer_name}")
@@ -920,6 +934,7 @@ def train(args, log=print) -> list[dict]:
             t0 = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
+            resident = _allocated_memory()  # weights, gradient buffers, optimizer states
             batches = data.microbatches(step, args, dp_rank, device)
             reduced = forward_backward(**_supported_kwargs(
                 forward_backward,
@@ -938,12 +953,15 @@ def train(args, log=print) -> list[dict]:
                 total = torch.stack([r["lm loss"] for r in reduced]).sum(0).to(device)
                 torch.distributed.all_reduce(total, group=dp_cp_group)
                 loss = (total[0] / total[1].clamp(min=1)).item()
-            peaks = _stage_peaks(device, pp_rank, args.pipeline_model_parallel_size)
+            pp = args.pipeline_model_parallel_size
+            peaks = _per_stage_gib(_peak_memory(), device, pp_rank, pp)
+            resident = _per_stage_gib(resident, device, pp_rank, pp)
             record = {
                 "step": step, "loss": loss, "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens_per_s": args.global_batch_size * args.seq_length / step_s,
-                "step_s": step_s, "peak_gib": peaks, "skipped": not ok,
+                "step_s": step_s, "peak_gib": peaks, "resident_gib": resident,
+                "skipped": not ok,
             }
             if reporter:
                 history.append(record)

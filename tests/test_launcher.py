@@ -284,3 +284,19 @@ def test_resume_continues_bitwise(tmp_path):
     assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     assert first == {k: straight[k] for k in (1, 2)}
     assert resumed == {k: straight[k] for k in (3, 4)}, (straight, resumed)
+
+
+@pytest.mark.parametrize("limit", [1, 6, 32])
+def test_max_micro_batch_search_finds_the_threshold(limit):
+    import max_micro_batch
+
+    for threshold in range(0, 40):
+        calls = []
+
+        def fits(size, threshold=threshold, calls=calls):
+            calls.append(size)
+            return size <= threshold
+
+        best, tried = max_micro_batch.sizes_to_try(fits, limit)
+        assert best == min(threshold, limit), (threshold, tried)
+        assert len(calls) == len(set(calls)) and max(calls) <= limit

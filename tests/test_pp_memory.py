@@ -211,5 +211,17 @@ def test_measure_dry_run_and_parser(capsys):
     commands = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("$ torchrun")]
     assert len(commands) >= 2 and all("--log-json" in c for c in commands)
     assert any("--cross-entropy-fusion-impl cce" in c for c in commands)
-    log = '{"step": 1, "peak_gib": [1.0, 2.5]}\n{"step": 2, "peak_gib": [1.5, 2.0]}\n'
+    assert all("--num-layers 26" in c for c in commands)
+    log = ('{"step": 1, "peak_gib": [1.0, 2.5], "resident_gib": [0.5, 0.7]}\n'
+           '{"step": 2, "peak_gib": [1.5, 2.0], "resident_gib": [0.6, 0.6]}\n')
     assert pp_memory_balance.parse_peaks(log) == [1.5, 2.5]
+    assert pp_memory_balance.parse_peaks(log, "resident_gib") == [0.6, 0.7]
+
+
+def test_measure_overrides_layers_and_predicts_the_launchers_attention(capsys):
+    pp_memory_balance.main(["--config", "llama3_8b", "--num-layers", "8",
+                            "--pipeline-model-parallel-size", "4", "--measure", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "--num-layers 8" in out and "[2, 2, 2, 2]" in out
+    if importlib.util.find_spec("transformer_engine") is None:  # local attention: scores kept
+        assert "predicting the measured runs with --recompute none" in out

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The multi-GPU evidence of docs/benchmarks/*_h200x4_*.md, in named stages, on one machine with
+# 4 GPUs (the device tool's nvidia-h200-x4), from the repository root:
+#
+#     bash scripts/gpu_suite.sh RESULTS_DIR STAGE [STAGE ...]
+#
+# Stages:
+#   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
+#   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py) and the Megatron-LM
+#                plugin tests (megatron/training from the megatron-core wheel)
+#   bench        scripts/bench_parallel.py: TP 1, 2, 4, SP off/on, ours, ours-lean, megatron and
+#                the collectives alone, at the Gemma-2 2B and Llama-3 8B shapes
+#   pp-gemma     scripts/pp_memory_balance.py --measure, Gemma-2 2B width, 8 layers, TP2 x PP2
+#   pp-llama     the same, Llama-3 8B width, 8 layers, PP4
+#   megatron     the launcher on configs/models/gemma2_like.yaml, cce and native, TP4 and
+#                TP2 x PP2, $STEPS steps each (default 200)
+#   max-mbs      scripts/max_micro_batch.py, cce and native, TP4, sequence 4096
+#
+# Each stage writes its logs under RESULTS_DIR and is bounded by `timeout`, so one stage that
+# hangs costs its own limit, not the rest. DATA_PATH (a token-file prefix) switches the launcher
+# runs from mock data to that file.
+set -uo pipefail
+results=$1; shift
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the carried wheels (stage setup)
+steps=${STEPS:-200}
+data=()
+if [[ -n "${DATA_PATH:-}" ]]; then data=(--data-path "$DATA_PATH"); fi
+
+run() {  # run NAME SECONDS CMD...: log to RESULTS/NAME.log, keep going on failure
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*" | tee -a "$results/stages.log"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$results/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$results/stages.log"
+    tail -n 25 "$results/$name.log"
+}
+
+launcher() {  # launcher NAME NPROC FLAGS...: one scripts/pretrain_gpt.py run
+    local name=$1 nproc=$2; shift 2
+    run "$name" 240 torchrun --nproc-per-node "$nproc" --master-port 29511 \
+        scripts/pretrain_gpt.py --config gemma2_like --bf16 --seq-length 4096 \
+        --micro-batch-size 1 --global-batch-size 8 --train-iters "$steps" --lr 3e-4 \
+        --min-lr 3e-5 --lr-warmup-iters 20 --lr-decay-style cosine --log-interval 20 \
+        --log-json "$results/$name.jsonl" "${data[@]}" "$@"
+}
+
+for stage in "$@"; do
+    case $stage in
+    setup)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null || exit 1
+        { nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; \
+print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
+            > "$results/machine.log" 2>&1
+        ;;
+    tests)
+        run tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py \
+            tests/test_megatron_plugin.py
+        ;;
+    bench)
+        run bench_parallel 300 torchrun --nproc-per-node 4 scripts/bench_parallel.py \
+            --models gemma2_2b llama3_8b --tokens 8192 --tp 1 2 4 --sp off on \
+            --providers ours ours-lean megatron collectives --iters 10 --warmup 3 \
+            --out "$results/bench_parallel.csv"
+        ;;
+    pp-gemma)
+        run pp_gemma 300 python3 scripts/pp_memory_balance.py --config gemma2_2b --num-layers 8 \
+            --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --seq-length 4096 \
+            --micro-batch-size 2 --num-microbatches 8 --recompute none --measure \
+            --csv "$results/pp_gemma.csv" --png "$results/pp_gemma.png"
+        ;;
+    pp-llama)
+        run pp_llama 300 python3 scripts/pp_memory_balance.py --config llama3_8b --num-layers 8 \
+            --pipeline-model-parallel-size 4 --seq-length 4096 --micro-batch-size 1 \
+            --num-microbatches 8 --recompute none --measure \
+            --csv "$results/pp_llama.csv" --png "$results/pp_llama.png"
+        ;;
+    megatron)
+        for impl in cce native; do
+            launcher "megatron_tp4_$impl" 4 --tensor-model-parallel-size 4 \
+                --cross-entropy-fusion-impl "$impl"
+            launcher "megatron_tp2pp2_$impl" 4 --tensor-model-parallel-size 2 \
+                --pipeline-model-parallel-size 2 --cross-entropy-fusion-impl "$impl"
+        done
+        ;;
+    max-mbs)
+        for impl in cce native; do
+            run "max_mbs_$impl" 240 torchrun --nproc-per-node 4 --master-port 29512 \
+                scripts/max_micro_batch.py --config gemma2_like --bf16 \
+                --tensor-model-parallel-size 4 --seq-length 4096 \
+                --cross-entropy-fusion-impl "$impl" --out "$results/max_mbs_$impl.json"
+        done
+        ;;
+    *)
+        echo "unknown stage $stage" >&2
+        exit 2
+        ;;
+    esac
+done
