@@ -3,6 +3,7 @@ scripts/pp_memory_balance.py, on the CPU in a few seconds: each term against a h
 recommender against brute force on small cases, the script on every shipped config."""
 
 import dataclasses
+import importlib.util
 import itertools
 import subprocess
 import sys
