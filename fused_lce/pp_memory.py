@@ -24,9 +24,14 @@ a heads, t TP, f ffn:
     MLP that megatron-core builds here it is 8 + 6 f / h (fc1 output 2f wide, activation output
     f wide, both bf16), which is 16 at f = 4h for GeLU's 4 f / h. Grouped-query attention's
     smaller K/V and the absence of dropout (dropout 0) are ignored: a slight overestimate.
-    selective recompute drops the 5 a s / h attention-score term. Flash attention (Transformer
-    Engine, the launcher's default on GPUs) never stores the scores either, so `selective` is
-    the right setting for it; `none` is the paper's unfused attention.
+    selective recompute drops the attention-score term. Flash attention (Transformer Engine)
+    never stores the scores either, so `selective` is the right setting for it; `none` is
+    megatron-core's local (unfused) attention, what the launcher runs without Transformer
+    Engine. Its score term is SCORE_BYTES = 7 bytes per score, not the paper's 5: megatron-core
+    runs the softmax in fp32 by default (attention_softmax_in_fp32) and keeps its fp32 output
+    (4), then the dropout keeps its mask (1) and the PV matmul its bf16 input (2). Measured on
+    H200 (docs/pp_memory_balance.md) with the launcher: 7.5 per score, with every other term
+    as above.
     full recompute stores only each layer's input, 2 s b h (/ t with SP), and rematerialises
     one layer at a time in the backward (one layer's `selective` activations, added once).
 
@@ -41,13 +46,21 @@ Micro-batches in flight (megatron-core's schedules):
         the 1F1B count; for even chunks on rank 0 it is the paper's p (1 + (p - 1) / (p v))
         stage-equivalents. Megatron needs m divisible by p for this schedule.
 
+Backward working set: while a layer runs its backward it holds gradients the size of its
+largest activations. With local attention (`none`) that is the fp32 softmax's input and output
+gradients, 8 a s^2 b / t bytes; otherwise the gated MLP's fc1 output and activation gradients,
+8 s b f / t (not measured). It is the peak's last term on every stage with layers, except on the
+last stage while the loss's own transient is larger (the two do not coincide).
+
 Output layer + loss on the last stage, for the one micro-batch at the loss (in 1F1B and
 interleaved schedules the last stage runs a micro-batch's backward right after its forward, so
 only one is at the loss at a time):
-    native: the output layer's logits [s, b, V/t] in bf16 (2 bytes), vocab_parallel_cross_entropy's
-        fp32 copy (4) and its fp32 exp/softmax buffer kept for the backward (4):
-        NATIVE_BYTES_PER_LOGIT = 10 bytes per logit. With SP the sequence is gathered first, so
-        the whole sequence's logits are there.
+    native: megatron-core's GPTModel passes the output layer's bf16 logits [s, b, V/t] (2 bytes)
+        to vocab_parallel_cross_entropy, which makes a max-shifted copy (2) and the exp/softmax
+        it keeps for the backward (2): NATIVE_BYTES_PER_LOGIT = 6 bytes per logit, as measured
+        on H200 with megatron-core 0.19.2 (6.1). Megatron-LM paths that cast the logits to fp32
+        first (the older --fp16-lm-cross-entropy default) hold about 10. With SP the sequence is
+        gathered first, so the whole sequence's logits are there.
     cce: the op's scratch bound (``scratch_mb``, 512 MiB by default; never more than one fp32
         value per local logit, which only tiny models reach) plus CCE_BYTES_PER_TOKEN = 16 bytes
         per token (fp32 log-sum-exp, int64 target, fp32 loss).
@@ -73,8 +86,13 @@ from fused_lce.configs import ModelConfig
 
 GIB = 2**30
 MIB = 2**20
-NATIVE_BYTES_PER_LOGIT = 10
-"""bf16 logits (2) + fp32 copy (4) + fp32 softmax kept for the backward (4)."""
+NATIVE_BYTES_PER_LOGIT = 6
+"""bf16 logits (2) + the max-shifted copy (2) + the softmax kept for the backward (2)."""
+SCORE_BYTES = 7
+"""Per attention score with local attention: fp32 softmax output (4), dropout mask (1) and the
+bf16 probabilities the PV matmul keeps (2)."""
+BACKWARD_SCORE_BYTES = 8
+"""Per attention score in a local-attention layer's backward: fp32 gradients of the softmax."""
 CCE_BYTES_PER_TOKEN = 16
 """fp32 log-sum-exp (4) + int64 target (8) + fp32 per-token loss (4)."""
 
@@ -138,10 +156,12 @@ class StageMemory:
     activations: float
     loss: float
     """The output layer + loss transient (last stage only)."""
+    backward: float
+    """One layer's backward working set (stages with layers)."""
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.loss
+        return self.states + self.activations + max(self.loss, self.backward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,10 +264,18 @@ def layer_activation_bytes(cfg: ModelConfig, lay: Layout, recompute: Recompute |
         return 2 * sbh / (t if lay.sp else 1)
     replicated = 10
     sharded = 8 + 6 * cfg.ffn_hidden_size / h
-    scores = 5 * cfg.num_attention_heads * s / h if recompute == "none" else 0
+    scores = SCORE_BYTES * cfg.num_attention_heads * s / h if recompute == "none" else 0
     if lay.sp:
         return sbh * (replicated + sharded + scores) / t
     return sbh * (replicated + (sharded + scores) / t)
+
+
+def layer_backward_bytes(cfg: ModelConfig, lay: Layout) -> float:
+    """The working set of one layer's backward (the module docstring)."""
+    s, b, t = lay.seq_length, lay.micro_batch, lay.tp
+    if lay.recompute == "none":
+        return BACKWARD_SCORE_BYTES * cfg.num_attention_heads * s * s * b / t
+    return 8 * s * b * cfg.ffn_hidden_size / t
 
 
 def inflight_chunks(lay: Layout, rank: int) -> list[int]:
@@ -282,7 +310,8 @@ def rank_memory(cfg: ModelConfig, lay: Layout, rank: int, chunks: list[int]) -> 
     if lay.recompute == "full" and sum(chunks):
         acts += layer_activation_bytes(cfg, lay, "selective")
     loss = loss_bytes(cfg, lay) if rank == p - 1 else 0.0
-    return StageMemory(rank, sum(chunks), params * bytes_per_param(lay), acts, loss)
+    backward = layer_backward_bytes(cfg, lay) if sum(chunks) else 0.0
+    return StageMemory(rank, sum(chunks), params * bytes_per_param(lay), acts, loss, backward)
 
 
 def stage_memory(cfg: ModelConfig, lay: Layout, split: list[int]) -> list[StageMemory]:

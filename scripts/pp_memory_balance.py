@@ -109,7 +109,8 @@ def study(cfg, lay: pm.Layout, split: list[int]) -> tuple[list[dict], dict]:
                 rows.append({"loss": loss, "split": name, "stage": st.stage, "layers": st.layers,
                              "states_gib": st.states / pm.GIB,
                              "activations_gib": st.activations / pm.GIB,
-                             "loss_gib": st.loss / pm.GIB, "total_gib": st.total / pm.GIB})
+                             "loss_gib": st.loss / pm.GIB, "backward_gib": st.backward / pm.GIB,
+                             "total_gib": st.total / pm.GIB})
     return rows, recs
 
 
@@ -134,11 +135,12 @@ def describe(cfg, lay: pm.Layout) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = f"{'loss':<7}{'split':<12}{'stage':>5}{'layers':>7}{'states':>9}{'activ':>9}" \
-           f"{'loss':>9}{'total':>9}  GiB"
+           f"{'loss':>9}{'bwd':>9}{'total':>9}  GiB"
     lines = [head]
     for r in rows:
         lines.append(f"{r['loss']:<7}{r['split']:<12}{r['stage']:>5}{r['layers']:>7}"
                      f"{r['states_gib']:>9.2f}{r['activations_gib']:>9.2f}{r['loss_gib']:>9.2f}"
+                     f"{r['backward_gib']:>9.2f}"
                      f"{r['total_gib']:>9.2f}")
     return "\n".join(lines)
 
@@ -254,7 +256,8 @@ def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dic
                              "predicted_states_gib": st.states / pm.GIB,
                              "measured_resident_gib": res,
                              "predicted_activations_gib": st.activations / pm.GIB,
-                             "predicted_loss_gib": st.loss / pm.GIB})
+                             "predicted_loss_gib": st.loss / pm.GIB,
+                             "predicted_backward_gib": st.backward / pm.GIB})
     return rows
 
 

@@ -37,15 +37,17 @@ def test_bytes_per_param():
 
 
 def test_activations_match_korthikanti():
+    # The paper's formulas, with 7 bytes per attention score (fp32 softmax) instead of its 5.
     s, b, h, a = 128, 2, 96, 4
     sbh = s * b * h
     lay = pm.Layout(seq_length=s, micro_batch=b, recompute="none")
-    assert pm.layer_activation_bytes(PAPER, lay) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert pm.SCORE_BYTES == 7
+    assert pm.layer_activation_bytes(PAPER, lay) == pytest.approx(sbh * (34 + 7 * a * s / h))
     tp = lay.replace(tp=4)
     assert pm.layer_activation_bytes(PAPER, tp) == pytest.approx(
-        sbh * (10 + 24 / 4 + 5 * a * s / (h * 4)))
+        sbh * (10 + 24 / 4 + 7 * a * s / (h * 4)))
     sp = tp.replace(sequence_parallel=True)
-    assert pm.layer_activation_bytes(PAPER, sp) == pytest.approx(sbh * (34 + 5 * a * s / h) / 4)
+    assert pm.layer_activation_bytes(PAPER, sp) == pytest.approx(sbh * (34 + 7 * a * s / h) / 4)
     assert pm.layer_activation_bytes(PAPER, sp.replace(recompute="selective")) == \
         pytest.approx(sbh * 34 / 4)
     assert pm.layer_activation_bytes(PAPER, tp.replace(recompute="selective")) == \
@@ -55,9 +57,17 @@ def test_activations_match_korthikanti():
 
 
 def test_activations_gated_mlp():
-    # tiny: 6 f / h = 24, so 10 + 8 + 24 = 42 bytes per s b h, plus 5 a s / h = 40 for the scores.
+    # tiny: 6 f / h = 24, so 10 + 8 + 24 = 42 bytes per s b h, plus 7 a s / h = 56 for the scores.
     lay = pm.Layout(seq_length=128, micro_batch=2, recompute="none")
-    assert pm.layer_activation_bytes(TINY, lay) == 128 * 2 * 64 * (42 + 40)
+    assert pm.layer_activation_bytes(TINY, lay) == 128 * 2 * 64 * (42 + 56)
+
+
+def test_backward_working_set():
+    # local attention: fp32 softmax gradients, 8 bytes x heads x s^2 x b / t; else the MLP's.
+    lay = pm.Layout(seq_length=128, micro_batch=2, tp=2, recompute="none")
+    assert pm.layer_backward_bytes(TINY, lay) == 8 * 4 * 128 * 128 * 2 / 2
+    assert pm.layer_backward_bytes(TINY, lay.replace(recompute="selective")) == \
+        8 * 128 * 2 * 256 / 2
 
 
 def test_inflight_1f1b():
@@ -81,7 +91,7 @@ def test_inflight_interleaved_matches_paper():
 def test_loss_terms():
     lay = pm.Layout(seq_length=128, micro_batch=2, tp=2)
     assert pm.padded_vocab(TINY, lay) == 1024  # a multiple of 128 x TP
-    assert pm.loss_bytes(TINY, lay) == 256 * 512 * 10
+    assert pm.loss_bytes(TINY, lay) == 256 * 512 * 6
     big = dataclasses.replace(TINY, vocab_size=256000)
     cce = lay.replace(loss="cce")
     assert pm.loss_bytes(big, cce.replace(seq_length=4096)) == 512 * pm.MIB + 8192 * 16
@@ -97,6 +107,10 @@ def test_stage_memory_composition():
     act = pm.layer_activation_bytes(TINY, lay)
     assert (first.activations, last.activations) == (2 * act, act)
     assert (first.loss, last.loss) == (0, pm.loss_bytes(TINY, lay))
+    working = pm.layer_backward_bytes(TINY, lay)
+    assert (first.backward, last.backward) == (working, working)
+    # the loss's transient and a layer's backward do not coincide: the larger one counts
+    assert last.total == last.states + last.activations + max(last.loss, working)
     tied = dataclasses.replace(TINY, tie_embeddings=True)
     assert pm.stage_memory(tied, lay, [1, 1])[1].states == last.states  # a copy on the last
     (alone,) = pm.stage_memory(tied, lay.replace(pp=1), [2])
