@@ -54,7 +54,8 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--nproc", type=int, default=2, help="processes to start (outside torchrun)")
     p.add_argument("--tol", type=float, default=1e-4, help="max relative loss difference")
-    p.add_argument("--json", default=None, help="write {impl: [losses]} here")
+    p.add_argument("--json", default=None,
+                   help="write the steps, each impl's losses and gradient norms here")
     args, launcher_flags = p.parse_known_args(argv)
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     bad = [i for i in args.impls if i not in IMPL_FLAGS]
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
     import torch
 
     losses: dict[str, list[float]] = {}
+    grad_norms: dict[str, list[float]] = {}  # of all parameters' gradients, before clipping
     steps: list[int] = []
     plan = None
     for impl in args.impls:
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
         history = pretrain_gpt.train(run_args, log=lambda *a, **k: None)
         if history:
             losses[impl] = [r["loss"] for r in history]
+            grad_norms[impl] = [r["grad_norm"] for r in history]
             steps = [r["step"] for r in history]
     status = 0
     if losses:  # the reporting rank: last pipeline stage, TP rank 0, DP rank 0
@@ -144,6 +147,7 @@ def main(argv=None) -> int:
         print(text)
         if args.json:
             Path(args.json).write_text(json.dumps({"steps": steps, "losses": losses,
+                                                   "grad_norms": grad_norms,
                                                    "max_rel_diff": worst}))
         status = int(worst > args.tol)
     device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"

@@ -72,14 +72,18 @@ def _compare(tmp_path, *flags: str, steps: int = 3) -> dict:
 
 
 def _assert_losses_agree(result: dict, tol: float = 1e-4) -> None:
-    losses = result["losses"]
-    ref = losses["cce"]
-    assert all(v == v and 0 < v < 20 for v in ref), f"cce losses not sane: {ref}"
-    for impl, values in losses.items():
-        rel = [abs(a - b) / abs(b) for a, b in zip(ref, values)]
-        assert max(rel) <= tol, (
-            f"cce vs {impl}: worst relative difference {max(rel):.2e} > {tol:.0e}\n"
-            + result["stdout"])
+    """Per-step losses and the norms of all parameter gradients (megatron's, before clipping)
+    agree between cce and each other impl. megatron's fused ``native`` loss rounds the logit
+    gradient to bf16 even in fp32 training, so its gradients are held to 5e-3 only."""
+    for what in ("losses", "grad_norms"):
+        ref = result[what]["cce"]
+        assert all(v == v and 0 < v < 1e3 for v in ref), f"cce {what} not sane: {ref}"
+        for impl, values in result[what].items():
+            rel = [abs(a - b) / abs(b) for a, b in zip(ref, values)]
+            tol = 5e-3 if (what, impl) == ("grad_norms", "native") else tol
+            assert max(rel) <= tol, (
+                f"cce vs {impl} {what}: worst relative difference {max(rel):.2e} > {tol:.0e}\n"
+                + result["stdout"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +256,22 @@ def test_pp2_cce_on_last_stage(tmp_path):
                       "--account-for-loss-in-pipeline-split", "--global-batch-size", "4")
     _assert_losses_agree(result)
     assert "PP 2" in result["stdout"] and "tied embeddings" in result["stdout"]
+
+
+four_ranks = pytest.mark.skipif(
+    0 < _N_GPUS < 4, reason="the torchrun job needs 4 GPUs on a CUDA machine (or none: gloo)")
+
+
+@four_ranks
+def test_tp2_pp2_tied_sequence_parallel(tmp_path):
+    # The whole layout at once: vocab-parallel loss on the last of two stages, the tied output
+    # weight a copy of the first stage's embedding, sequence-parallel norms.
+    result = _compare(tmp_path, "--nproc", "4", "--config", "tiny_tied",
+                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--sequence-parallel", "--global-batch-size", "4",
+                      "--impls", "cce,unfused")
+    _assert_losses_agree(result)
+    assert "PP 2" in result["stdout"] and "SP" in result["stdout"], result["stdout"]
 
 
 @two_ranks

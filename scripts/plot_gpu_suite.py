@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""Plots and tables for the results of scripts/gpu_suite.sh (run on the CPU, after the GPU run).
+
+    python scripts/plot_gpu_suite.py parallel docs/benchmarks/vocab_parallel_h200x4_202611
+    python scripts/plot_gpu_suite.py megatron docs/benchmarks/megatron_h200x4_202611
+    python scripts/plot_gpu_suite.py pp-memory docs/benchmarks/pp_memory_h200x4_202611
+
+parallel   bench_parallel.csv -> time_and_memory.png, and a markdown table on stdout
+megatron   megatron_<layout>_<impl>.jsonl -> loss_curves.png, and per layout: final loss, mean
+           and largest per-step loss difference, median step time, peak memory per stage
+pp-memory  pp_<model>_measured.csv -> predicted_vs_measured.csv/.png: each measured stage beside
+           what fused_lce.pp_memory predicts now (the CSVs' own predictions are those of the model
+           when the run was made)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fused_lce import pp_memory as pm  # noqa: E402
+from fused_lce.configs import load_model_config  # noqa: E402
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_parallel.csv
+# ----------------------------------------------------------------------------------------------
+
+SHOWN = ("ours", "ours-lean", "megatron")
+
+
+def parallel(folder: Path) -> None:
+    rows = read_csv(folder / "bench_parallel.csv")
+    models = sorted({r["model"] for r in rows})
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        for provider in SHOWN:
+            for sp, style in (("off", "-o"), ("on", "--s")):
+                pts = sorted((int(r["tp"]), float(r["fwd_bwd_ms"]), float(r["extra_mib"]))
+                             for r in rows if (r["model"], r["provider"]) == (model, provider)
+                             and (r["sp"] == sp or r["tp"] == "1"))
+                if len(pts) < 2:
+                    continue
+                label = f"{provider} SP {sp}"
+                axes[0][col].plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+                axes[1][col].plot([p[0] for p in pts], [p[2] for p in pts], style, label=label)
+        axes[0][col].set(title=f"{model}, 8192 tokens per TP group", xlabel="TP",
+                         ylabel="forward+backward ms (slowest rank)", xscale="log", yscale="log")
+        axes[1][col].set(xlabel="TP", ylabel="extra memory per rank, MiB", xscale="log",
+                         yscale="log")
+        for ax in axes[:, col]:
+            ax.set_xticks([1, 2, 4], ["1", "2", "4"])
+            ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "time_and_memory.png", dpi=110)
+    print(f"wrote {folder / 'time_and_memory.png'}\n")
+
+    print("| model | TP | SP | ours ms / MiB | ours-lean ms / MiB | megatron ms / MiB | "
+          "collectives ms | ours vs megatron | ours efficiency |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    key = lambda r: (r["model"], int(r["tp"]), r["sp"])
+    for model, tp, sp in sorted({key(r) for r in rows}):
+        got = {r["provider"]: r for r in rows if key(r) == (model, tp, sp)}
+        cell = lambda p: (f"{float(got[p]['fwd_bwd_ms']):.1f} / {float(got[p]['extra_mib']):.0f}"
+                          if p in got else "-")
+        ours, meg = float(got["ours"]["fwd_bwd_ms"]), float(got["megatron"]["fwd_bwd_ms"])
+        ratio = f"{meg / ours:.2f}x faster" if ours < meg else f"{ours / meg:.2f}x slower"
+        comm = f"{float(got['collectives']['fwd_bwd_ms']):.2f}" if "collectives" in got else "-"
+        print(f"| {model} | {tp} | {sp} | {cell('ours')} | {cell('ours-lean')} | "
+              f"{cell('megatron')} | {comm} | {ratio} | "
+              f"{float(got['ours']['efficiency_vs_tp1']):.2f} |")
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher runs
+# ----------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def megatron(folder: Path, skip: int = 10) -> None:
+    runs = {}
+    for path in sorted(folder.glob("megatron_*_*.jsonl")):
+        _, layout, impl = path.stem.split("_")
+        runs[(layout, impl)] = read_jsonl(path)
+    layouts = sorted({k[0] for k in runs})
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(layouts), figsize=(6 * len(layouts), 7), squeeze=False,
+                             sharex=True)
+    print("| layout | steps | final loss cce / native | mean |Δ| per step | largest |Δ| | "
+          "mean Δ last 50 | step s cce / native | peak GiB per stage cce / native |")
+    print("|---|---|---|---|---|---|---|---|")
+    for col, layout in enumerate(layouts):
+        cce, native = runs[(layout, "cce")], runs[(layout, "native")]
+        steps = [r["step"] for r in cce]
+        for impl, recs in (("native", native), ("cce", cce)):
+            axes[0][col].plot(steps, [r["loss"] for r in recs], label=impl, lw=1)
+        diff = [a["loss"] - b["loss"] for a, b in zip(cce, native)]
+        axes[1][col].plot(steps, diff, lw=1)
+        axes[0][col].set(title=layout, ylabel="loss")
+        axes[0][col].legend()
+        axes[1][col].set(xlabel="step", ylabel="loss cce - native")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+        step_s = [statistics.median(r["step_s"] for r in recs[skip:]) for recs in (cce, native)]
+        peaks = [" ".join(f"{g:.2f}" for g in recs[-1]["peak_gib"]) for recs in (cce, native)]
+        tail = diff[-50:]
+        print(f"| {layout} | {len(steps)} | {cce[-1]['loss']:.4f} / {native[-1]['loss']:.4f} | "
+              f"{statistics.mean(abs(d) for d in diff):.4f} | {max(abs(d) for d in diff):.4f} | "
+              f"{statistics.mean(tail):+.4f} | {step_s[0]:.3f} / {step_s[1]:.3f} | "
+              f"{peaks[0]} / {peaks[1]} |")
+    fig.tight_layout()
+    fig.savefig(folder / "loss_curves.png", dpi=110)
+    print(f"\nwrote {folder / 'loss_curves.png'}")
+    for path in sorted(folder.glob("max_mbs_*.json")):
+        result = json.loads(path.read_text())
+        print(f"{result['impl']}: largest micro-batch {result['max_micro_batch']} x "
+              f"{result['seq_length']} = {result['max_tokens']} tokens (TP {result['tp']}, "
+              f"SP {result['sp']}, {result['num_layers']} layers)")
+
+
+# ----------------------------------------------------------------------------------------------
+# pp_memory_balance --measure
+# ----------------------------------------------------------------------------------------------
+
+# The layouts scripts/gpu_suite.sh measures (stages pp-gemma and pp-llama).
+MEASURED_LAYOUTS = {
+    "gemma": ("gemma2_2b", 8, pm.Layout(tp=2, pp=2, seq_length=4096, micro_batch=2,
+                                        num_microbatches=8, recompute="none")),
+    "llama": ("llama3_8b", 8, pm.Layout(pp=4, seq_length=4096, micro_batch=1,
+                                        num_microbatches=8, recompute="none")),
+}
+
+
+def pp_memory(folder: Path) -> None:
+    out, labels, predicted, measured = [], [], [], []
+    for name, (config, layers, lay) in MEASURED_LAYOUTS.items():
+        path = folder / f"pp_{name}_measured.csv"
+        if not path.exists():
+            continue
+        cfg = dataclasses.replace(load_model_config(config), num_layers=layers)
+        rows = read_csv(path)
+        for (loss, split) in dict.fromkeys((r["loss"], r["split"]) for r in rows):
+            stages = [r for r in rows if (r["loss"], r["split"]) == (loss, split)]
+            layer_split = [int(r["layers"]) for r in stages]
+            model = pm.stage_memory(cfg, lay.replace(loss=loss), layer_split)
+            for r, st in zip(stages, model):
+                meas = float(r["measured_gib"])
+                pred = st.total / pm.GIB
+                out.append({"layout": name, "config": config, "loss": loss, "split": split,
+                            "layers": layer_split, "stage": st.stage, "predicted_gib": pred,
+                            "measured_gib": meas, "error": pred / meas - 1,
+                            "measured_resident_gib": float(r["measured_resident_gib"]),
+                            "predicted_states_gib": st.states / pm.GIB})
+                labels.append(f"{name} {loss} {layer_split} s{st.stage}")
+                predicted.append(pred)
+                measured.append(meas)
+    with open(folder / "predicted_vs_measured.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out[0]))
+        writer.writeheader()
+        writer.writerows(out)
+    print("| layout | loss | split | stage | predicted GiB | measured GiB | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['layout']} | {r['loss']} | {r['layers']} | {r['stage']} | "
+              f"{r['predicted_gib']:.2f} | {r['measured_gib']:.2f} | {100 * r['error']:+.1f}% |")
+    print(f"\nlargest error {100 * max(abs(r['error']) for r in out):.1f}%")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(out)), 5))
+    x = range(len(out))
+    ax.bar([i - 0.2 for i in x], predicted, 0.4, label="predicted (fused_lce.pp_memory)")
+    ax.bar([i + 0.2 for i in x], measured, 0.4, label="measured (max_memory_allocated)")
+    ax.set_xticks(list(x), labels, rotation=75, fontsize=7)
+    ax.set(ylabel="peak GiB per GPU", title="pipeline stages: predicted vs measured, 4 x H200")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(folder / "predicted_vs_measured.png", dpi=110)
+    print(f"wrote {folder / 'predicted_vs_measured.png'}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=("parallel", "megatron", "pp-memory"))
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    {"parallel": parallel, "megatron": megatron, "pp-memory": pp_memory}[args.what](args.folder)
+
+
+if __name__ == "__main__":
+    main()
