@@ -56,6 +56,7 @@ import os
 import resource
 import sys
 import time
+import traceback
 import warnings
 from functools import partial
 from pathlib import Path
@@ -967,34 +968,56 @@ class SeenTokens:
 
 class OutputLayerTap:
     """Copies what enters the output layer (hidden states and weight, tied or not) in the first
-    forward after :meth:`arm`; the copies outlive the optimizer step that changes the weight."""
+    forward after :meth:`arm`; the copies outlive the optimizer step that changes the weight.
+
+    A pre-hook on the output layer sees exactly its inputs. Should a megatron-core version call
+    the layer without going through its hooks, a hook on the decoder's final norm (whose output
+    the output layer receives) stands in, with the model's output weight.
+    """
 
     def __init__(self, gpt):
-        self.hidden = self.weight = None
-        self.armed = False
-        self.handle = gpt.output_layer.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.gpt = gpt
+        self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.armed: set[str] = set()
+        self.handles = [gpt.output_layer.register_forward_pre_hook(self._output_layer_hook,
+                                                                   with_kwargs=True)]
+        final_norm = getattr(getattr(gpt, "decoder", None), "final_layernorm", None)
+        if final_norm is not None:
+            self.handles.append(final_norm.register_forward_hook(self._final_norm_hook))
 
     def arm(self) -> None:
-        self.hidden = self.weight = None
-        self.armed = True
+        self.captured.clear()
+        self.armed = {"output_layer", "final_norm"}
 
-    def _hook(self, module, args, kwargs):
-        if not self.armed:
-            return
-        self.armed = False
+    def _keep(self, source: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        if source in self.armed:
+            self.armed.discard(source)
+            self.captured[source] = (hidden.detach().clone(), weight.detach().clone())
+
+    def _output_layer_hook(self, module, args, kwargs):
         hidden = args[0] if args else kwargs["input_"]
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
-        weight = module.weight if weight is None else weight
-        self.hidden = hidden.detach().clone()
-        self.weight = weight.detach().clone()
+        self._keep("output_layer", hidden, module.weight if weight is None else weight)
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden (N, D), weight (V, D)); hidden rows in Megatron's [s, b] order."""
-        if self.hidden is None:
-            raise RuntimeError("the probe saw no forward through the output layer this step")
-        hidden, weight = self.hidden, self.weight
-        self.hidden = self.weight = None
-        return hidden.reshape(-1, hidden.shape[-1]), weight
+    def _final_norm_hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() \
+            if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+        self._keep("final_norm", hidden, weight)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """(hidden (N, D), weight (V, D), source); hidden rows in Megatron's [s, b] order."""
+        for source in ("output_layer", "final_norm"):
+            if source in self.captured:
+                hidden, weight = self.captured.pop(source)
+                self.captured.clear()
+                return hidden.reshape(-1, hidden.shape[-1]), weight, source
+        raise RuntimeError("the probe saw no forward through the output layer this step")
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _observed(batches, seen: SeenTokens | None, first: dict | None):
@@ -1017,17 +1040,27 @@ def _probe_impl() -> str:
 
 
 def run_probe(args, tap: OutputLayerTap, first: dict, seen: SeenTokens) -> dict:
-    """The probe record of this step's first micro-batch (fused_lce.grad_probe)."""
+    """The probe record of this step's first micro-batch (fused_lce.grad_probe).
+
+    A probe is a diagnostic on one rank, outside training: if it fails, the record holds the
+    error and training goes on (the traceback is printed).
+    """
     from fused_lce.grad_probe import probe_loss_layer
 
-    hidden, weight = tap.take()
-    labels = first.pop("labels").transpose(0, 1).reshape(-1)  # [b, s] -> Megatron's [s, b]
     t0 = time.perf_counter()
-    record = probe_loss_layer(hidden, weight, labels, unseen=seen.unseen(),
-                              softcap=args.model.logit_softcap, impl=_probe_impl())
+    try:
+        hidden, weight, source = tap.take()
+        labels = first.pop("labels").transpose(0, 1).reshape(-1)  # [b, s] -> Megatron's [s, b]
+        record = probe_loss_layer(hidden, weight, labels, unseen=seen.unseen(),
+                                  softcap=args.model.logit_softcap, impl=_probe_impl())
+        del hidden, weight
+    except Exception as err:  # reported in the record; training continues
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {**record, "impl": _probe_impl(), "seconds": time.perf_counter() - t0}
+    return {**record, "impl": _probe_impl(), "source": source,
+            "seconds": time.perf_counter() - t0}
 
 
 def _eval_loss_func(loss_mask, unseen_targets, output_tensor):
@@ -1062,22 +1095,24 @@ def evaluate(args, model, valid: TokenWindows, dp_rank: int, device, dp_cp_group
     rng = _rng_state()
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     model.eval()
-    with torch.no_grad():
-        for j in range(args.eval_iters):
-            reduced = forward_backward(**_supported_kwargs(
-                forward_backward,
-                forward_step_func=partial(_eval_forward_step, unseen),
-                data_iterator=valid.microbatches(j + 1, args, dp_rank, device), model=[model],
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                forward_only=True,
-            ))
-            for r in reduced or []:
-                totals[:2] += r["lm loss"].to(device, torch.float64)
-                if "unseen loss" in r:
-                    totals[2:] += r["unseen loss"].to(device, torch.float64)
-    model.train()
-    _set_rng_state(rng)
+    try:
+        with torch.no_grad():
+            for j in range(args.eval_iters):
+                reduced = forward_backward(**_supported_kwargs(
+                    forward_backward,
+                    forward_step_func=partial(_eval_forward_step, unseen),
+                    data_iterator=valid.microbatches(j + 1, args, dp_rank, device),
+                    model=[model], num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.seq_length, forward_only=True,
+                ))
+                for r in reduced or []:
+                    totals[:2] += r["lm loss"].to(device, torch.float64)
+                    if "unseen loss" in r:
+                        totals[2:] += r["unseen loss"].to(device, torch.float64)
+    finally:
+        model.train()
+        _set_rng_state(rng)
     if not parallel_state.is_pipeline_last_stage():
         return {}
     torch.distributed.all_reduce(totals, group=dp_cp_group)
@@ -1242,7 +1277,7 @@ def train(args, log=print) -> list[dict]:
         if json_log is not None:
             json_log.close()
         if tap is not None:
-            tap.handle.remove()
+            tap.remove()
     return history
 
 
@@ -1262,6 +1297,8 @@ def _forget_peak() -> None:
 
 
 def _probe_line(step: int, probe: dict) -> str:
+    if "error" in probe:
+        return f"probe       step {step}: failed ({probe['error']})"
     errors = ", ".join(f"{name} {e['input']:.1e}/{e['weight']:.1e}"
                        for name, e in probe["grad_rel_err"].items())
     return (f"probe       step {step}: loss-layer grad rel. err (input/weight) {errors}; "

@@ -201,15 +201,34 @@ def _torchrun(port: int) -> list[str]:
             "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
 
 
+def order_jobs(jobs: list[Job], targets: Targets) -> list[Job]:
+    """The reference and candidate runs first, corpus by corpus, then the other variants: with
+    4 GPUs the first two waves hold the comparisons the targets need, should time run out."""
+    primary = (targets.reference, targets.candidate)
+    return sorted(jobs, key=lambda j: (j.variant not in primary, j.corpus,
+                                       primary.index(j.variant) if j.variant in primary else 0,
+                                       j.variant, j.seed))
+
+
 def run_queue(jobs: list[tuple[Job, list[str]]], slots: list[str | None], out: Path,
-              threads: int, timeout: float | None) -> list[dict]:
+              threads: int, timeout: float | None, deadline: float | None) -> list[dict]:
     """Run each (job, command), at most one per slot (a GPU id, or None on the CPU) at a time;
-    returns one result per job in ``jobs`` order."""
+    returns one result per job in ``jobs`` order (returncode None: never started).
+
+    A run is killed after ``timeout`` seconds; after ``deadline`` seconds from the start no run
+    is started and running ones are killed (their logs so far remain).
+    """
     pending = list(enumerate(jobs))
     running: dict[int, tuple[int, subprocess.Popen, float]] = {}  # slot -> (job index, ...)
-    results: list[dict | None] = [None] * len(jobs)
+    results: list[dict] = [{"name": job.name, "returncode": None, "wall_s": 0.0}
+                           for job, _ in jobs]
     t_start = time.perf_counter()
     while pending or running:
+        late = deadline is not None and time.perf_counter() - t_start > deadline
+        if late and pending:
+            print(f"deadline of {deadline:.0f} s: not starting "
+                  f"{', '.join(jobs[i][0].name for i, _ in pending)}", flush=True)
+            pending = []
         for slot, gpu in enumerate(slots):
             if slot in running or not pending:
                 continue
@@ -227,7 +246,7 @@ def run_queue(jobs: list[tuple[Job, list[str]]], slots: list[str | None], out: P
         time.sleep(0.5)
         for slot, (index, proc, started) in list(running.items()):
             wall = time.perf_counter() - started
-            if proc.poll() is None and timeout is not None and wall > timeout:
+            if proc.poll() is None and (late or (timeout is not None and wall > timeout)):
                 os.killpg(proc.pid, 9)  # the run's own process group (start_new_session)
                 proc.wait()
             if proc.poll() is None:
@@ -283,7 +302,9 @@ def cmd_run(args) -> int:
                 for c in corpora if "data" in exp.corpora[c]}
 
     jobs = []
-    for index, job in enumerate(Job(c, v, s) for c in corpora for v in variants for s in seeds):
+    matrix = order_jobs([Job(c, v, s) for c in corpora for v in variants for s in seeds],
+                        exp.targets)
+    for index, job in enumerate(matrix):
         log_json = out / f"{job.name}.jsonl"
         command = [*_torchrun(args.base_port + index), str(LAUNCHER),
                    *launcher_flags(exp, job, steps, data, log_json, overrides)]
@@ -299,16 +320,20 @@ def cmd_run(args) -> int:
 
     threads = max(1, (os.cpu_count() or 1) // len(slots))
     t0 = time.perf_counter()
-    results = run_queue(jobs, slots, out, threads, args.timeout)
+    results = run_queue(jobs, slots, out, threads, args.timeout, args.deadline)
     wall = time.perf_counter() - t0
     (out / "runs.json").write_text(json.dumps({
         "config": str(args.config), "cpu_smoke": args.cpu_smoke, "steps": steps,
         "experiment": dataclasses.asdict(exp), "overrides": overrides, "wall_s": wall,
         "environment": _environment(), "runs": results}, indent=1))
-    failed = [r["name"] for r in results if r["returncode"] != 0]
-    print(f"{len(results) - len(failed)}/{len(results)} runs finished in {wall:.0f} s"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    failed = [r["name"] for r in results if r["returncode"] is not None and r["returncode"]]
+    skipped = [r["name"] for r in results if r["returncode"] is None]
+    if skipped:
+        print(f"not run (deadline): {', '.join(skipped)}")
+    done = len(results) - len(failed) - len(skipped)
+    print(f"{done}/{len(results)} runs finished in {wall:.0f} s"
+          + (f"; failed or killed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed or skipped else 0
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -373,7 +398,14 @@ class Run:
 
     @property
     def probes(self) -> list[tuple[int, dict]]:
-        return [(r["step"], r["probe"]) for r in self.records if "probe" in r]
+        """(step, probe) of the probes that ran (a failed probe holds only its "error")."""
+        return [(r["step"], r["probe"]) for r in self.records
+                if "grad_rel_err" in r.get("probe", {})]
+
+    @property
+    def failed_probes(self) -> list[tuple[int, str]]:
+        return [(r["step"], r["probe"]["error"]) for r in self.records
+                if "error" in r.get("probe", {})]
 
     def final_train_loss(self) -> float:
         _, loss = self.series("loss")
@@ -667,6 +699,9 @@ def cmd_report(args) -> int:
     write_csv(rows, out / "final.csv")
     print(markdown_table(rows, exp.targets))
     print()
+    for run in runs:
+        for step, error in run.failed_probes:
+            print(f"note: {run.job.name} probe at step {step} failed: {error}")
     checks = check_targets(rows, runs, exp.targets)
     for ok, line in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
@@ -703,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
                      help="run i rendezvouses on this port + i")
     run.add_argument("--timeout", type=float, default=None, help="kill a run after this many s")
+    run.add_argument("--deadline", type=float, default=None,
+                     help="after this many s start no run and kill those running (their logs "
+                          "so far remain): keeps the whole matrix inside a time limit")
     run.add_argument("--cpu-smoke", action="store_true",
                      help="the config's tiny cpu_smoke settings, on the CPU over gloo")
     run.add_argument("--dry-run", action="store_true", help="print the commands only")

@@ -75,6 +75,10 @@ def test_matrix_commands_parse_with_the_launcher(tmp_path):
              if "--master-port" in line]
     assert len(ports) == 12 == len(set(ports))
     assert proc.stdout.count("--eval-interval 20") == 12
+    # The comparisons the targets need come first (two waves on 4 GPUs), cce-paper last.
+    order = [line.split(":")[0] for line in proc.stdout.splitlines() if "--master-port" in line]
+    assert {n.split("_")[1] for n in order[:8]} == {"native", "cce"}
+    assert all("_cce-paper_" in n for n in order[8:])
 
 
 def _fake_logs(out: Path, delta: float = 0.002, gemm_err: float = 2e-3) -> None:
