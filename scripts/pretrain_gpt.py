@@ -972,13 +972,15 @@ class OutputLayerTap:
 
     A pre-hook on the output layer sees exactly its inputs. Should a megatron-core version call
     the layer without going through its hooks, a hook on the decoder's final norm (whose output
-    the output layer receives) stands in, with the model's output weight.
+    the output layer receives) stands in, with the model's output weight; it stays armed only
+    until the output layer's hook has been seen to work.
     """
 
     def __init__(self, gpt):
         self.gpt = gpt
         self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.armed: set[str] = set()
+        self.output_layer_seen = False
         self.handles = [gpt.output_layer.register_forward_pre_hook(self._output_layer_hook,
                                                                    with_kwargs=True)]
         final_norm = getattr(getattr(gpt, "decoder", None), "final_layernorm", None)
@@ -987,7 +989,8 @@ class OutputLayerTap:
 
     def arm(self) -> None:
         self.captured.clear()
-        self.armed = {"output_layer", "final_norm"}
+        self.armed = {"output_layer"} if self.output_layer_seen else {"output_layer",
+                                                                      "final_norm"}
 
     def _keep(self, source: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
         if source in self.armed:
@@ -997,6 +1000,7 @@ class OutputLayerTap:
     def _output_layer_hook(self, module, args, kwargs):
         hidden = args[0] if args else kwargs["input_"]
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        self.output_layer_seen = True
         self._keep("output_layer", hidden, module.weight if weight is None else weight)
 
     def _final_norm_hook(self, module, args, output):

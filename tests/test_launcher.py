@@ -338,6 +338,55 @@ def test_held_out_windows_are_fixed_and_separate():
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+class _OutputLayer(torch.nn.Linear):
+    def forward(self, input_, weight=None):
+        return input_ @ (self.weight if weight is None else weight).t()
+
+
+class _TinyGPT(torch.nn.Module):
+    """The two pieces of a GPTModel the probe's tap hooks: a final norm, and an output layer
+    called with the tied weight as a keyword, as megatron-core calls it; ``through_hooks=False``
+    calls the layer's forward directly, as a megatron-core that bypassed hooks would."""
+
+    def __init__(self, through_hooks: bool):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.final_layernorm = torch.nn.LayerNorm(4)
+        self.output_layer = _OutputLayer(4, 6, bias=False)
+        self.embedding = torch.nn.Parameter(torch.randn(6, 4))
+        self.share_embeddings_and_output_weights = True
+        self.through_hooks = through_hooks
+
+    def shared_embedding_or_output_weight(self):
+        return self.embedding
+
+    def forward(self, hidden):
+        hidden = self.decoder.final_layernorm(hidden)
+        layer = self.output_layer if self.through_hooks else self.output_layer.forward
+        return layer(hidden, weight=self.embedding)
+
+
+def test_output_layer_tap_copies_inputs_and_falls_back():
+    for through_hooks, source in ((True, "output_layer"), (False, "final_norm")):
+        gpt = _TinyGPT(through_hooks)
+        tap = pretrain_gpt.OutputLayerTap(gpt)
+        hidden = torch.randn(3, 2, 4)
+        gpt(hidden)
+        with pytest.raises(RuntimeError, match="saw no forward"):
+            tap.take()  # not armed
+        tap.arm()
+        gpt(hidden)
+        gpt(hidden + 1)  # later micro-batches are not kept
+        expected = gpt.decoder.final_layernorm(hidden).reshape(-1, 4)
+        weight_then = gpt.embedding.detach().clone()
+        with torch.no_grad():
+            gpt.embedding.add_(1.0)  # the optimizer step after the forward
+        got_hidden, got_weight, got_source = tap.take()
+        assert got_source == source
+        assert torch.allclose(got_hidden, expected) and torch.equal(got_weight, weight_then)
+        tap.remove()
+
+
 def _byte_token_files(tmp_path) -> tuple[Path, Path]:
     """Tiny train/valid byte-token files (vocabulary 257) of generated text."""
     import build_token_file
