@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe-interval", type=int, default=None,
                    help="at step 1, every K steps and at the end, compare the loss layer's "
                         "gradients on one micro-batch with an fp32 full-logits reference and "
-                        "measure the probability of tokens unseen in training (TP=1, CP=1)")
+                        "measure the probability of tokens unseen in training; evaluations then "
+                        "also report the loss on unseen targets (TP=1, CP=1)")
 
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory")

@@ -16,7 +16,8 @@ files may be stored xz-compressed (``.bin.xz``, as in the repository's git-ignor
 they are unpacked once into ``--data-cache``. ``--cpu-smoke`` runs the same pipeline on the CPU
 over gloo with the config's tiny ``cpu_smoke`` settings (a test does).
 
-``report`` reads those logs and writes, into ``<out>`` (or ``--figures``):
+``report`` reads those logs (a read-only folder is fine) and writes, into ``--dest`` (default
+``<out>``):
 
     loss_<corpus>.png    train loss (moving average) and validation loss against the step,
                          each variant's mean over seeds with a min-max band, and both
@@ -28,6 +29,8 @@ over gloo with the config's tiny ``cpu_smoke`` settings (a test does).
     final.csv            per corpus and variant: final train loss (mean over the last 5% of
                          steps), final validation loss, unseen measures, worst gradient errors;
                          mean, min and max over seeds
+
+    summary.md           the markdown table and the target lines below
 
 and prints a markdown table and one PASS/FAIL line per target of the config (the candidate's
 final losses within ``loss_nats`` of the reference's, means over seeds; the default op's
@@ -684,28 +687,29 @@ def cmd_report(args) -> int:
     if not runs:
         raise SystemExit(f"no <corpus>_<variant>_s<seed>.jsonl logs in {out}")
     exp = load_experiment(args.config)
-    figures = Path(args.figures) if args.figures else out
-    figures.mkdir(parents=True, exist_ok=True)
+    dest = Path(args.dest) if args.dest else out
+    dest.mkdir(parents=True, exist_ok=True)
 
     import matplotlib
 
     matplotlib.use("Agg")
     for corpus in sorted({r.job.corpus for r in runs}):
-        plot_losses(runs, corpus, exp.targets, figures / f"loss_{corpus}.png")
+        plot_losses(runs, corpus, exp.targets, dest / f"loss_{corpus}.png")
     if any(r.probes for r in runs):
-        plot_grad_errors(runs, exp.targets, figures / "grad_error.png")
-        plot_unseen(runs, figures / "unseen.png")
+        plot_grad_errors(runs, exp.targets, dest / "grad_error.png")
+        plot_unseen(runs, dest / "unseen.png")
     rows = summarize(runs, exp.targets)
-    write_csv(rows, out / "final.csv")
-    print(markdown_table(rows, exp.targets))
-    print()
+    write_csv(rows, dest / "final.csv")
+    lines = [markdown_table(rows, exp.targets), ""]
     for run in runs:
-        for step, error in run.failed_probes:
-            print(f"note: {run.job.name} probe at step {step} failed: {error}")
+        lines += [f"note: {run.job.name} probe at step {step} failed: {error}"
+                  for step, error in run.failed_probes]
     checks = check_targets(rows, runs, exp.targets)
-    for ok, line in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {line}")
-    print(f"\nwrote {out / 'final.csv'} and figures in {figures}")
+    lines += [f"{'PASS' if ok else 'FAIL'}  {line}" for ok, line in checks]
+    text = "\n".join(lines)
+    print(text)
+    (dest / "summary.md").write_text(text + "\n")
+    print(f"\nwrote final.csv, summary.md and the figures to {dest}")
     return 1 if args.strict and not all(ok for ok, _ in checks) else 0
 
 
@@ -748,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots, CSV, table and target checks from the logs")
     report.add_argument("--out", required=True, help="folder of the logs (and outputs)")
     report.add_argument("--config", default=str(DEFAULT_CONFIG))
-    report.add_argument("--figures", default=None, help="folder for the PNGs (default: --out)")
+    report.add_argument("--dest", default=None,
+                        help="folder for the PNGs, final.csv and summary.md (default: --out)")
     report.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
     report.set_defaults(func=cmd_report)
     return p
