@@ -28,5 +28,8 @@ setup(
         # 0.16.1 is the newest release that supports Python 3.11.
         "megatron": ["megatron-core>=0.16.1"],
         "dev": ["pytest>=8", "pytest-timeout", "ruff", "matplotlib", "pyyaml"],
+        # scripts/build_token_file.py --tokenizer bpe (the training-equivalence text corpus);
+        # pinned: the same version trains the same merges.
+        "data": ["tokenizers==0.23.3"],
     },
 )

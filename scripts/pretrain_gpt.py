@@ -56,6 +56,7 @@ import os
 import resource
 import sys
 import time
+import traceback
 import warnings
 from functools import partial
 from pathlib import Path
@@ -68,6 +69,9 @@ from fused_lce.parallel import megatron as lce_megatron
 from fused_lce.pp_memory import stage_layer_counts
 
 IMPLS_MEGATRON = ("native", "te")
+# Generator seeds of the held-out (validation) windows start here, far above any training seed's
+# stream (seed * 1_000_003 + sample index).
+HELD_OUT_STREAM = 2**62
 
 
 def _te_importable() -> bool:
@@ -169,6 +173,27 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data-path", default=None,
                      help="token file prefix: PREFIX.bin (flat uint16/uint32) + PREFIX.json")
 
+    g = p.add_argument_group("cce options (with --cross-entropy-fusion-impl cce or linear)")
+    g.add_argument("--cce-backward", choices=("auto", "gemm", "tiles"), default=None,
+                   help="the op's backward (default: the op's, gemm, which never filters)")
+    g.add_argument("--cce-filter-eps", type=_filter_eps, default=None,
+                   metavar="{safe,paper,none,X}",
+                   help="gradient filtering of the tiles backward (default: the op's, safe)")
+
+    g = p.add_argument_group("evaluation and probes")
+    g.add_argument("--valid-data-path", default=None,
+                   help="validation token file prefix (with --mock-data: a held-out stream of the "
+                        "same distribution)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every K steps and at the end (default: never)")
+    g.add_argument("--eval-iters", type=int, default=10,
+                   help="global batches per evaluation, the same held-out windows every time")
+    g.add_argument("--probe-interval", type=int, default=None,
+                   help="at step 1, every K steps and at the end, compare the loss layer's "
+                        "gradients on one micro-batch with an fp32 full-logits reference and "
+                        "measure the probability of tokens unseen in training; evaluations then "
+                        "also report the loss on unseen targets (TP=1, CP=1)")
+
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=None,
@@ -189,6 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------
 # The resolved plan (pure Python: used by --dry-run and checked against megatron at build time)
 # ----------------------------------------------------------------------------------------------
+
+
+def _filter_eps(text: str):
+    """--cce-filter-eps: "safe", "paper", "none" (off, kept as the string until
+    :func:`cce_options`, since None means the flag was not given) or a number."""
+    if text in ("safe", "paper", "none"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected safe, paper, none or a number, got {text!r}") from None
+
+
+def cce_options(args) -> dict:
+    """The options ``fused_lce.parallel.megatron.install`` passes to the op."""
+    options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
+    if args.cce_backward is not None:
+        options["backward"] = args.cce_backward
+    if args.cce_filter_eps is not None:
+        options["filter_eps"] = None if args.cce_filter_eps == "none" else args.cce_filter_eps
+    return options
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -260,7 +307,34 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                              f"{meta['vocab_size']}")
     if args.save_interval is not None and args.save is None:
         raise SystemExit("--save-interval needs --save DIR")
+    _check_eval_and_probes(args)
     return args
+
+
+def _check_eval_and_probes(args) -> None:
+    if not args.uses_cce and (args.cce_backward is not None or args.cce_filter_eps is not None):
+        raise SystemExit("--cce-backward / --cce-filter-eps act on fused_lce's op: use them with "
+                         "--cross-entropy-fusion-impl cce or linear")
+    for flag in ("eval_interval", "eval_iters", "probe_interval"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.valid_data_path is not None:
+        meta = _token_file_meta(args.valid_data_path)
+        if meta["vocab_size"] > args.model.vocab_size:
+            raise SystemExit(f"{args.valid_data_path}: token vocabulary {meta['vocab_size']} "
+                             f"exceeds the model's {args.model.vocab_size}")
+    if args.eval_interval and args.data_path is not None and args.valid_data_path is None:
+        raise SystemExit("--eval-interval with --data-path needs --valid-data-path (held-out "
+                         "text); mock data draws its held-out stream itself")
+    if args.probe_interval:
+        layout = (args.tensor_model_parallel_size, args.context_parallel_size)
+        if layout != (1, 1):
+            raise SystemExit("--probe-interval compares the whole loss layer on one rank: it "
+                             "needs --tensor-model-parallel-size 1 and --context-parallel-size 1")
+        if args.mock_data and args.data_parallel_size > 1:
+            raise SystemExit("--probe-interval with --mock-data counts the tokens this rank "
+                             "draws to know which are unseen: it needs data-parallel size 1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -320,9 +394,13 @@ def describe(args) -> str:
         lines.append(f"  split     {split}; schedule 1F1B with {args.num_microbatches} "
                      f"micro-batches")
     fused = "fused" if args.cross_entropy_loss_fusion else "unfused"
+    op_options = ""
+    if args.uses_cce and (args.cce_backward or args.cce_filter_eps):
+        op_options = f"; backward {args.cce_backward or 'default'}, filter " \
+                     f"{args.cce_filter_eps or 'default'}"
     lines += [
         f"loss        {args.cross_entropy_fusion_impl} ({fused}"
-        f"{', fused_lce vocab-parallel op, no logits' if args.uses_cce else ''})",
+        f"{', fused_lce vocab-parallel op, no logits' if args.uses_cce else ''}{op_options})",
         f"batch       micro {args.micro_batch_size} x DP {args.data_parallel_size} x "
         f"{args.num_microbatches} micro-batches = global {args.global_batch_size} sequences "
         f"of {args.seq_length} = {args.global_batch_size * args.seq_length} tokens/step",
@@ -335,6 +413,15 @@ def describe(args) -> str:
         f"checkpoint  save {args.save or '-'} (every {args.save_interval or 'end'}), "
         f"load {args.load or '-'}",
     ]
+    if args.eval_interval:
+        source = args.valid_data_path or "held-out mock stream"
+        lines.append(f"evaluation  every {args.eval_interval} steps and at the end: "
+                     f"{args.eval_iters} global batches of {source}")
+    if args.probe_interval:
+        unseen = "zero count in the training file" if args.data_path else \
+            "not drawn by this run so far"
+        lines.append(f"probes      step 1, every {args.probe_interval} steps and the end: "
+                     f"loss-layer gradients vs fp32 reference; unseen tokens = {unseen}")
     return "\n".join(lines)
 
 
@@ -363,12 +450,18 @@ class TokenWindows:
     seeded permutation of the vocabulary, like word frequencies in text: the loss falls from
     ln(V) towards the distribution's entropy within tens of steps. File data: a window at a
     random offset of the token file.
+
+    ``held_out=True`` draws the validation windows: sample i then depends only on i (the same
+    windows in every run, whatever its seed), from a generator stream that training never uses;
+    mock data keep the seed's vocabulary permutation, so they follow the training distribution.
     """
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int, data_path: str | None):
+    def __init__(self, seq_length: int, vocab_size: int, seed: int, data_path: str | None,
+                 held_out: bool = False):
         self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.seed = seed
+        self.stream = HELD_OUT_STREAM if held_out else seed * 1_000_003
         self.tokens = None
         ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
         self.zipf = (1.0 / ranks) / (1.0 / ranks).sum()
@@ -381,7 +474,7 @@ class TokenWindows:
                                  f"window of {seq_length + 1}")
 
     def sample(self, index: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        gen = torch.Generator().manual_seed(self.stream + index)
         n = self.seq_length + 1
         if self.tokens is None:
             return self.zipf_ids[torch.multinomial(self.zipf, n, replacement=True,
@@ -593,8 +686,7 @@ def build_model(args, config):
         DistributedDataParallel.__init__, config=config, ddp_config=ddp_config, module=model))
     if args.uses_cce:
         # Stages without the output layer keep their ordinary path.
-        options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
-        lce_megatron.install(model, **options)
+        lce_megatron.install(model, **cce_options(args))
     return model, gpt
 
 
@@ -840,6 +932,203 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
+# ----------------------------------------------------------------------------------------------
+# Evaluation and probes (docs/training_equivalence.md)
+# ----------------------------------------------------------------------------------------------
+
+
+class SeenTokens:
+    """Which token ids training has seen, for the unseen-token measures of the probes.
+
+    With ``--data-path``: the counts of the whole training file (fixed; a token "unseen in
+    training" never occurs in the training data). With mock data: the counts of the windows this
+    run has drawn so far (tokens and labels), updated from every micro-batch; the run's own
+    stream is its corpus. Ids past the tokenizer's vocabulary (Megatron's padding) count as unseen.
+    """
+
+    def __init__(self, args, device):
+        self.vocab = args.padded_vocab_size
+        self.fixed = args.data_path is not None
+        if self.fixed:
+            meta = _token_file_meta(args.data_path)
+            tokens = np.memmap(meta["bin"], dtype=np.dtype(meta["dtype"]), mode="r")
+            counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=self.vocab)
+            self.counts = torch.from_numpy(counts).to(device)
+        else:
+            self.counts = torch.zeros(self.vocab, dtype=torch.int64, device=device)
+
+    def observe(self, batch: dict) -> None:
+        if not self.fixed:
+            window = torch.cat([batch["tokens"][:, :1], batch["labels"]], dim=1)
+            self.counts += torch.bincount(window.flatten(), minlength=self.vocab)
+
+    def unseen(self) -> torch.Tensor:
+        """(V,) bool: ids with zero count."""
+        return self.counts == 0
+
+
+class OutputLayerTap:
+    """Copies what enters the output layer (hidden states and weight, tied or not) in the first
+    forward after :meth:`arm`; the copies outlive the optimizer step that changes the weight.
+
+    A pre-hook on the output layer sees exactly its inputs. Should a megatron-core version call
+    the layer without going through its hooks, a hook on the decoder's final norm (whose output
+    the output layer receives) stands in, with the model's output weight; it stays armed only
+    until the output layer's hook has been seen to work.
+    """
+
+    def __init__(self, gpt):
+        self.gpt = gpt
+        self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.armed: set[str] = set()
+        self.output_layer_seen = False
+        self.handles = [gpt.output_layer.register_forward_pre_hook(self._output_layer_hook,
+                                                                   with_kwargs=True)]
+        final_norm = getattr(getattr(gpt, "decoder", None), "final_layernorm", None)
+        if final_norm is not None:
+            self.handles.append(final_norm.register_forward_hook(self._final_norm_hook))
+
+    def arm(self) -> None:
+        self.captured.clear()
+        self.armed = {"output_layer"} if self.output_layer_seen else {"output_layer",
+                                                                      "final_norm"}
+
+    def _keep(self, source: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        if source in self.armed:
+            self.armed.discard(source)
+            self.captured[source] = (hidden.detach().clone(), weight.detach().clone())
+
+    def _output_layer_hook(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["input_"]
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        self.output_layer_seen = True
+        self._keep("output_layer", hidden, module.weight if weight is None else weight)
+
+    def _final_norm_hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        gpt = self.gpt
+        weight = gpt.shared_embedding_or_output_weight() \
+            if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+        self._keep("final_norm", hidden, weight)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """(hidden (N, D), weight (V, D), source); hidden rows in Megatron's [s, b] order."""
+        for source in ("output_layer", "final_norm"):
+            if source in self.captured:
+                hidden, weight = self.captured.pop(source)
+                self.captured.clear()
+                return hidden.reshape(-1, hidden.shape[-1]), weight, source
+        raise RuntimeError("the probe saw no forward through the output layer this step")
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _observed(batches, seen: SeenTokens | None, first: dict | None):
+    """The micro-batches, counting their tokens into ``seen`` and keeping the first one's
+    labels in ``first``."""
+    for i, batch in enumerate(batches):
+        if seen is not None:
+            seen.observe(batch)
+        if first is not None and i == 0:
+            first["labels"] = batch["labels"]
+        yield batch
+
+
+def _probe_impl() -> str:
+    """The probes run our kernels where they can run (CUDA, or the CPU under the interpreter);
+    elsewhere the chunked PyTorch path, which has no filter to measure."""
+    from fused_lce.kernels.common import INTERPRET
+
+    return "cce" if torch.cuda.is_available() or INTERPRET else "chunked"
+
+
+def run_probe(args, tap: OutputLayerTap, first: dict, seen: SeenTokens) -> dict:
+    """The probe record of this step's first micro-batch (fused_lce.grad_probe).
+
+    A probe is a diagnostic on one rank, outside training: if it fails, the record holds the
+    error and training goes on (the traceback is printed).
+    """
+    from fused_lce.grad_probe import probe_loss_layer
+
+    t0 = time.perf_counter()
+    try:
+        hidden, weight, source = tap.take()
+        labels = first.pop("labels").transpose(0, 1).reshape(-1)  # [b, s] -> Megatron's [s, b]
+        record = probe_loss_layer(hidden, weight, labels, unseen=seen.unseen(),
+                                  softcap=args.model.logit_softcap, impl=_probe_impl())
+        del hidden, weight
+    except Exception as err:  # reported in the record; training continues
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {**record, "impl": _probe_impl(), "source": source,
+            "seconds": time.perf_counter() - t0}
+
+
+def _eval_loss_func(loss_mask, unseen_targets, output_tensor):
+    """As :func:`_loss_func`, also summing the loss over targets unseen in training."""
+    loss, num_tokens, report = _loss_func(loss_mask, output_tensor)
+    if unseen_targets is not None:
+        mask = loss_mask.float() * unseen_targets.float()
+        report["unseen loss"] = torch.stack([(output_tensor.float() * mask).sum().detach(),
+                                             mask.sum().detach()])
+    return loss, num_tokens, report
+
+
+def _eval_forward_step(unseen, data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    targets = None if unseen is None else unseen[batch["labels"]]
+    return output, partial(_eval_loss_func, batch["loss_mask"], targets)
+
+
+def evaluate(args, model, valid: TokenWindows, dp_rank: int, device, dp_cp_group,
+             unseen: torch.Tensor | None) -> dict:
+    """Validation loss over ``--eval-iters`` global batches of fixed held-out windows, with
+    megatron's forward-only schedule; RNG states are restored, so training does not notice.
+
+    Returns (on the last pipeline stage; {} elsewhere) {"valid_loss"} and, given ``unseen``,
+    {"valid_unseen_targets": count, "valid_unseen_loss": their mean loss (None if none)}.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    rng = _rng_state()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for j in range(args.eval_iters):
+                reduced = forward_backward(**_supported_kwargs(
+                    forward_backward,
+                    forward_step_func=partial(_eval_forward_step, unseen),
+                    data_iterator=valid.microbatches(j + 1, args, dp_rank, device),
+                    model=[model], num_microbatches=args.num_microbatches,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                    decoder_seq_length=args.seq_length, forward_only=True,
+                ))
+                for r in reduced or []:
+                    totals[:2] += r["lm loss"].to(device, torch.float64)
+                    if "unseen loss" in r:
+                        totals[2:] += r["unseen loss"].to(device, torch.float64)
+    finally:
+        model.train()
+        _set_rng_state(rng)
+    if not parallel_state.is_pipeline_last_stage():
+        return {}
+    torch.distributed.all_reduce(totals, group=dp_cp_group)
+    result = {"valid_loss": float(totals[0] / totals[1].clamp(min=1))}
+    if unseen is not None:
+        count = int(totals[3])
+        result["valid_unseen_targets"] = count
+        result["valid_unseen_loss"] = float(totals[2] / count) if count else None
+    return result
+
+
 def _peak_memory() -> int:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
@@ -917,6 +1206,15 @@ def train(args, log=print) -> list[dict]:
         say(f"resumed     from {args.load} at step {start}")
 
     data = TokenWindows(args.seq_length, args.model.vocab_size, args.seed, args.data_path)
+    valid = None
+    if args.eval_interval:
+        valid = TokenWindows(args.seq_length, args.model.vocab_size, args.seed,
+                             args.valid_data_path, held_out=True)
+    seen = SeenTokens(args, device) if args.probe_interval and last_stage else None
+    tap = OutputLayerTap(gpt) if args.probe_interval and reporter else None
+    first_batch: dict = {}
+    # The peak of training steps only: evaluation and probes forget theirs (on GPUs).
+    training_peak = 0
     forward_backward = get_forward_backward_func()
     history = []
     json_log = None
@@ -935,7 +1233,12 @@ def train(args, log=print) -> list[dict]:
             model.zero_grad_buffer()
             optimizer.zero_grad()
             resident = _allocated_memory()  # weights, gradient buffers, optimizer states
+            probing = tap is not None and _due(step, args.probe_interval, args.train_iters, True)
             batches = data.microbatches(step, args, dp_rank, device)
+            if probing:
+                tap.arm()
+            if seen is not None or probing:
+                batches = _observed(batches, seen, first_batch if probing else None)
             reduced = forward_backward(**_supported_kwargs(
                 forward_backward,
                 forward_step_func=_forward_step, data_iterator=batches, model=[model],
@@ -953,8 +1256,9 @@ def train(args, log=print) -> list[dict]:
                 total = torch.stack([r["lm loss"] for r in reduced]).sum(0).to(device)
                 torch.distributed.all_reduce(total, group=dp_cp_group)
                 loss = (total[0] / total[1].clamp(min=1)).item()
+            training_peak = max(training_peak, _peak_memory())
             pp = args.pipeline_model_parallel_size
-            peaks = _per_stage_gib(_peak_memory(), device, pp_rank, pp)
+            peaks = _per_stage_gib(training_peak, device, pp_rank, pp)
             resident = _per_stage_gib(resident, device, pp_rank, pp)
             record = {
                 "step": step, "loss": loss, "lr": lr,
@@ -963,6 +1267,16 @@ def train(args, log=print) -> list[dict]:
                 "step_s": step_s, "peak_gib": peaks, "resident_gib": resident,
                 "skipped": not ok,
             }
+            if valid is not None and _due(step, args.eval_interval, args.train_iters):
+                t_eval = time.perf_counter()
+                unseen = None if seen is None else seen.unseen()
+                record.update(evaluate(args, model, valid, dp_rank, device, dp_cp_group, unseen))
+                record["eval_s"] = time.perf_counter() - t_eval
+                _forget_peak()
+            if probing:
+                record["probe"] = run_probe(args, tap, first_batch, seen)
+                _forget_peak()
+                say(_probe_line(step, record["probe"]))
             if reporter:
                 history.append(record)
                 if json_log is not None:
@@ -971,8 +1285,10 @@ def train(args, log=print) -> list[dict]:
                     json_log.flush()
             if step % args.log_interval == 0 or step == args.train_iters:
                 mem = " ".join(f"{g:.2f}" for g in peaks)
-                say(f"step {step:>6}/{args.train_iters} | loss {loss:.6f} | lr {lr:.3e} | "
-                    f"grad norm {record['grad_norm'] or 0:.3f} | "
+                valid_text = f" | valid {record['valid_loss']:.6f}" if "valid_loss" in record \
+                    else ""
+                say(f"step {step:>6}/{args.train_iters} | loss {loss:.6f}{valid_text} | "
+                    f"lr {lr:.3e} | grad norm {record['grad_norm'] or 0:.3f} | "
                     f"{record['tokens_per_s']:,.0f} tok/s | {step_s:.3f} s | "
                     f"peak GiB per stage [{mem}]")
             if args.save and ((args.save_interval and step % args.save_interval == 0)
@@ -982,7 +1298,34 @@ def train(args, log=print) -> list[dict]:
     finally:
         if json_log is not None:
             json_log.close()
+        if tap is not None:
+            tap.remove()
     return history
+
+
+def _due(step: int, interval: int | None, last: int, at_first: bool = False) -> bool:
+    """Whether a periodic action runs at ``step``: every ``interval`` steps and at the end (and
+    at step 1 with ``at_first``)."""
+    if not interval:
+        return False
+    return step % interval == 0 or step == last or (at_first and step == 1)
+
+
+def _forget_peak() -> None:
+    """Start the device's peak-memory counter afresh, so that buffers of evaluation and probes
+    do not count as training memory (the CPU's peak RSS cannot be reset)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _probe_line(step: int, probe: dict) -> str:
+    if "error" in probe:
+        return f"probe       step {step}: failed ({probe['error']})"
+    errors = ", ".join(f"{name} {e['input']:.1e}/{e['weight']:.1e}"
+                       for name, e in probe["grad_rel_err"].items())
+    return (f"probe       step {step}: loss-layer grad rel. err (input/weight) {errors}; "
+            f"unseen mass {probe['unseen_mass']:.2e} ({probe['unseen_ids']} ids); "
+            f"{probe['seconds']:.2f} s")
 
 
 def main(argv=None) -> None:

@@ -320,3 +320,156 @@ def test_max_micro_batch_search_finds_the_threshold(limit):
         best, tried = max_micro_batch.sizes_to_try(fits, limit)
         assert best == min(threshold, limit), (threshold, tried)
         assert len(calls) == len(set(calls)) and max(calls) <= limit
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation, probes and the cce options (docs/training_equivalence.md)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cce_option_flags():
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-backward",
+                                    "tiles", "--cce-filter-eps", "paper", "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"backward": "tiles", "filter_eps": "paper"}
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
+                                    "none", "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"filter_eps": None}  # off, not "the default"
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "linear", "--cce-filter-eps",
+                                    "1e-5", "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"filter_eps": 1e-5}
+    assert pretrain_gpt.cce_options(pretrain_gpt.parse_args(["--dry-run"])) == {}
+    with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
+        pretrain_gpt.parse_args(["--cce-backward", "tiles", "--dry-run"])
+    with pytest.raises(SystemExit):
+        pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
+                                 "tiny", "--dry-run"])
+
+
+def test_eval_and_probe_flag_checks(tmp_path):
+    with pytest.raises(SystemExit, match="needs --tensor-model-parallel-size 1"):
+        pretrain_gpt.parse_args(["--probe-interval", "5", "--tensor-model-parallel-size", "2",
+                                 "--world-size", "2", "--dry-run"])
+    with pytest.raises(SystemExit, match="data-parallel size 1"):
+        pretrain_gpt.parse_args(["--probe-interval", "5", "--world-size", "2", "--dry-run"])
+    train, _ = _byte_token_files(tmp_path)
+    with pytest.raises(SystemExit, match="needs --valid-data-path"):
+        pretrain_gpt.parse_args(["--data-path", str(train), "--vocab-size", "300",
+                                 "--eval-interval", "5", "--dry-run"])
+    with pytest.raises(SystemExit, match="must be > 0"):
+        pretrain_gpt.parse_args(["--eval-interval", "0", "--dry-run"])
+
+
+def test_held_out_windows_are_fixed_and_separate():
+    args = pretrain_gpt.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
+    train = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None)
+    held_out = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None, held_out=True)
+    other_seed = pretrain_gpt.TokenWindows(32, 1000, seed=8, data_path=None, held_out=True)
+    assert torch.equal(held_out.zipf_ids, train.zipf_ids)  # the training distribution
+    # The same draws for every seed (through each seed's permutation of the vocabulary).
+    ranks = torch.argsort(held_out.zipf_ids)[held_out.sample(3)]
+    assert torch.equal(ranks, torch.argsort(other_seed.zipf_ids)[other_seed.sample(3)])
+    assert not torch.equal(held_out.sample(3), train.sample(3))
+    first = [b["tokens"] for b in held_out.microbatches(1, args, 0, "cpu")]
+    again = [b["tokens"] for b in held_out.microbatches(1, args, 0, "cpu")]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+class _OutputLayer(torch.nn.Linear):
+    def forward(self, input_, weight=None):
+        return input_ @ (self.weight if weight is None else weight).t()
+
+
+class _TinyGPT(torch.nn.Module):
+    """The two pieces of a GPTModel the probe's tap hooks: a final norm, and an output layer
+    called with the tied weight as a keyword, as megatron-core calls it; ``through_hooks=False``
+    calls the layer's forward directly, as a megatron-core that bypassed hooks would."""
+
+    def __init__(self, through_hooks: bool):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.final_layernorm = torch.nn.LayerNorm(4)
+        self.output_layer = _OutputLayer(4, 6, bias=False)
+        self.embedding = torch.nn.Parameter(torch.randn(6, 4))
+        self.share_embeddings_and_output_weights = True
+        self.through_hooks = through_hooks
+
+    def shared_embedding_or_output_weight(self):
+        return self.embedding
+
+    def forward(self, hidden):
+        hidden = self.decoder.final_layernorm(hidden)
+        layer = self.output_layer if self.through_hooks else self.output_layer.forward
+        return layer(hidden, weight=self.embedding)
+
+
+def test_output_layer_tap_copies_inputs_and_falls_back():
+    for through_hooks, source in ((True, "output_layer"), (False, "final_norm")):
+        gpt = _TinyGPT(through_hooks)
+        tap = pretrain_gpt.OutputLayerTap(gpt)
+        hidden = torch.randn(3, 2, 4)
+        gpt(hidden)
+        with pytest.raises(RuntimeError, match="saw no forward"):
+            tap.take()  # not armed
+        tap.arm()
+        gpt(hidden)
+        gpt(hidden + 1)  # later micro-batches are not kept
+        expected = gpt.decoder.final_layernorm(hidden).reshape(-1, 4)
+        weight_then = gpt.embedding.detach().clone()
+        with torch.no_grad():
+            gpt.embedding.add_(1.0)  # the optimizer step after the forward
+        got_hidden, got_weight, got_source = tap.take()
+        assert got_source == source
+        assert torch.allclose(got_hidden, expected) and torch.equal(got_weight, weight_then)
+        tap.remove()
+
+
+def _byte_token_files(tmp_path) -> tuple[Path, Path]:
+    """Tiny train/valid byte-token files (vocabulary 257) of generated text."""
+    import build_token_file
+
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = ["tensor", "kernel", "vocab", "shard", "softmax", "gradient", "layer"]
+    for i in range(24):
+        (src / f"f{i}.txt").write_text(" ".join(rng.choice(words, 80)) + "\n")
+    out = tmp_path / "tokens"
+    build_token_file.main(["--source", str(src), "--out", str(out), "--valid-fraction", "0.3"])
+    return tmp_path / "tokens_train", tmp_path / "tokens_valid"
+
+
+def test_eval_and_probes_on_text_leave_training_unchanged(tmp_path):
+    """One process, TP=1: validation every 2 steps and probes (step 1, 2, 3) land in the JSON
+    records; the losses are bitwise those of the same run without them."""
+    train, valid = _byte_token_files(tmp_path)
+    common = [*TINY, "--vocab-size", "300", "--data-path", str(train), "--train-iters", "3",
+              "--cross-entropy-fusion-impl", "cce", "--cce-backward", "tiles",
+              "--cce-filter-eps", "paper", "--lr", "3e-3"]
+    with_probes = tmp_path / "with.jsonl"
+    plain = tmp_path / "plain.jsonl"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+          str(SCRIPTS / "pretrain_gpt.py"), *common, "--valid-data-path", str(valid),
+          "--eval-interval", "2", "--eval-iters", "2", "--probe-interval", "2",
+          "--log-json", str(with_probes)])
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+          str(SCRIPTS / "pretrain_gpt.py"), *common, "--log-json", str(plain)])
+    records = [json.loads(line) for line in with_probes.read_text().splitlines()]
+    baseline = [json.loads(line) for line in plain.read_text().splitlines()]
+    assert [r["loss"] for r in records] == [r["loss"] for r in baseline]
+
+    assert [r["step"] for r in records if "valid_loss" in r] == [2, 3]
+    for r in records:
+        if "valid_loss" in r:
+            assert 0 < r["valid_loss"] < 20 and r["valid_unseen_targets"] >= 0
+    probes = {r["step"]: r["probe"] for r in records if "probe" in r}
+    assert sorted(probes) == [1, 2, 3]
+    counts = np.bincount(np.fromfile(f"{train}.bin", dtype=np.uint16), minlength=384)
+    for step, probe in probes.items():
+        assert set(probe["grad_rel_err"]) == {"gemm", "tiles_safe", "tiles_paper", "native"}
+        for name, errors in probe["grad_rel_err"].items():
+            assert max(errors.values()) < 1e-4, (step, name, errors)  # fp32: filters drop ~0
+        # The training file fixes the unseen ids: the 384 padded classes minus those it holds.
+        assert probe["unseen_ids"] == int((counts == 0).sum())
+        assert 0 < probe["unseen_mass"] < 1 and probe["tokens"] == 64
+    # The probe's loss is the training loss of its micro-batch (one micro-batch per step).
+    assert probes[1]["loss"] == pytest.approx(records[0]["loss"], rel=1e-5)
