@@ -56,10 +56,9 @@ Output layer + loss on the last stage, for the one micro-batch at the loss (in 1
 interleaved schedules the last stage runs a micro-batch's backward right after its forward, so
 only one is at the loss at a time):
     native: megatron-core's GPTModel passes the output layer's bf16 logits [s, b, V/t] (2 bytes)
-        to vocab_parallel_cross_entropy, which makes a max-shifted copy (2) and the exp/softmax
-        it keeps for the backward (2): NATIVE_BYTES_PER_LOGIT = 6 bytes per logit, as measured
-        on H200 with megatron-core 0.19.2 (6.1). Megatron-LM paths that cast the logits to fp32
-        first (the older --fp16-lm-cross-entropy default) hold about 10. With SP the sequence is
+        to vocab_parallel_cross_entropy, which copies them to fp32 (4) and computes the softmax
+        in that copy in place, keeping it for the backward: NATIVE_BYTES_PER_LOGIT = 6 bytes per
+        logit, as measured on H200 with megatron-core 0.19.2 (6.1). With SP the sequence is
         gathered first, so the whole sequence's logits are there.
     cce: the op's scratch bound (``scratch_mb``, 512 MiB by default; never more than one fp32
         value per local logit, which only tiny models reach) plus CCE_BYTES_PER_TOKEN = 16 bytes
@@ -87,7 +86,7 @@ from fused_lce.configs import ModelConfig
 GIB = 2**30
 MIB = 2**20
 NATIVE_BYTES_PER_LOGIT = 6
-"""bf16 logits (2) + the max-shifted copy (2) + the softmax kept for the backward (2)."""
+"""bf16 logits (2) + megatron's fp32 copy (4), which becomes the softmax kept for the backward."""
 SCORE_BYTES = 7
 """Per attention score with local attention: fp32 softmax output (4), dropout mask (1) and the
 bf16 probabilities the PV matmul keeps (2)."""
