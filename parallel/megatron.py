@@ -41,8 +41,8 @@ import torch
 
 CCE_CHOICES = ("cce", "linear")
 _PATCHED = "_fused_lce_patched"
-_OPTION_NAMES = ("softcap", "z_loss", "label_smoothing", "backward", "filter_eps", "scratch_mb",
-                 "deterministic", "vocab_size")
+_OPTION_NAMES = ("softcap", "z_loss", "label_smoothing", "impl", "backward", "filter_eps",
+                 "scratch_mb", "deterministic", "vocab_size")
 
 
 @dataclass

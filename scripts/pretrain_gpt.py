@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token file prefix: PREFIX.bin (flat uint16/uint32) + PREFIX.json")
 
     g = p.add_argument_group("cce options (with --cross-entropy-fusion-impl cce or linear)")
+    g.add_argument("--cce-impl", choices=("cce", "chunked"), default=None,
+                   help="the op's implementation (default: cce, the Triton kernels; chunked: "
+                        "pure PyTorch, whose logits are rounded to the inputs' dtype as "
+                        "megatron's are)")
     g.add_argument("--cce-backward", choices=("auto", "gemm", "tiles"), default=None,
                    help="the op's backward (default: the op's, gemm, which never filters)")
     g.add_argument("--cce-filter-eps", type=_filter_eps, default=None,
@@ -231,6 +235,8 @@ def _filter_eps(text: str):
 def cce_options(args) -> dict:
     """The options ``fused_lce.parallel.megatron.install`` passes to the op."""
     options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
+    if args.cce_impl is not None:
+        options["impl"] = args.cce_impl
     if args.cce_backward is not None:
         options["backward"] = args.cce_backward
     if args.cce_filter_eps is not None:
@@ -312,9 +318,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check_eval_and_probes(args) -> None:
-    if not args.uses_cce and (args.cce_backward is not None or args.cce_filter_eps is not None):
-        raise SystemExit("--cce-backward / --cce-filter-eps act on fused_lce's op: use them with "
-                         "--cross-entropy-fusion-impl cce or linear")
+    if not args.uses_cce and any(v is not None for v in (args.cce_impl, args.cce_backward,
+                                                          args.cce_filter_eps)):
+        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps act on fused_lce's op: "
+                         "use them with --cross-entropy-fusion-impl cce or linear")
     for flag in ("eval_interval", "eval_iters", "probe_interval"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -395,9 +402,9 @@ def describe(args) -> str:
                      f"micro-batches")
     fused = "fused" if args.cross_entropy_loss_fusion else "unfused"
     op_options = ""
-    if args.uses_cce and (args.cce_backward or args.cce_filter_eps):
-        op_options = f"; backward {args.cce_backward or 'default'}, filter " \
-                     f"{args.cce_filter_eps or 'default'}"
+    if args.uses_cce and (args.cce_impl or args.cce_backward or args.cce_filter_eps):
+        op_options = f"; impl {args.cce_impl or 'default'}, backward " \
+                     f"{args.cce_backward or 'default'}, filter {args.cce_filter_eps or 'default'}"
     lines += [
         f"loss        {args.cross_entropy_fusion_impl} ({fused}"
         f"{', fused_lce vocab-parallel op, no logits' if args.uses_cce else ''}{op_options})",

@@ -338,8 +338,12 @@ def test_cce_option_flags():
                                     "1e-5", "--dry-run"])
     assert pretrain_gpt.cce_options(args) == {"filter_eps": 1e-5}
     assert pretrain_gpt.cce_options(pretrain_gpt.parse_args(["--dry-run"])) == {}
-    with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
-        pretrain_gpt.parse_args(["--cce-backward", "tiles", "--dry-run"])
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-impl",
+                                    "chunked", "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"impl": "chunked"}
+    for flag, value in (("--cce-backward", "tiles"), ("--cce-impl", "chunked")):
+        with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
+            pretrain_gpt.parse_args([flag, value, "--dry-run"])
     with pytest.raises(SystemExit):
         pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
                                  "tiny", "--dry-run"])
