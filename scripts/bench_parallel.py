@@ -241,6 +241,16 @@ class Timer:
         return (time.perf_counter() - start) * 1e3
 
 
+def timed(fn, iters: int, timer: Timer) -> list[float]:
+    """``iters`` times of ``fn`` in ms, each started together on every rank (a barrier)."""
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        timer.sync()
+        times.append(timer.time_ms(fn))
+    return times
+
+
 def measure(loss_fn, hidden, weight, target, args, device) -> dict:
     """Median forward and forward+backward time on this rank, and its extra peak memory."""
     timer = Timer(device)
@@ -275,16 +285,8 @@ def measure(loss_fn, hidden, weight, target, args, device) -> dict:
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - base - grad_bytes) / MIB
 
-    def timed(fn) -> list[float]:
-        times = []
-        for _ in range(args.iters):
-            dist.barrier()
-            timer.sync()
-            times.append(timer.time_ms(fn))
-        return times
-
-    fwd = timed(forward)
-    both = timed(forward_backward)
+    fwd = timed(forward, args.iters, timer)
+    both = timed(forward_backward, args.iters, timer)
     loss = forward().item()
     h.grad = None
     w.grad = None
@@ -388,18 +390,10 @@ def measure_collectives(n_tokens, d, dtype, group, sp, args, device) -> dict:
         else:
             comm.all_reduce_sum_(d_hidden, group)
 
-    def timed(fn) -> list[float]:
-        for _ in range(args.warmup):
-            fn()
-        times = []
-        for _ in range(args.iters):
-            dist.barrier()
-            timer.sync()
-            times.append(timer.time_ms(fn))
-        return times
-
-    return {"fwd_ms": statistics.median(timed(forward)),
-            "fwd_bwd_ms": statistics.median(timed(forward_backward)),
+    for _ in range(args.warmup):
+        forward_backward()
+    return {"fwd_ms": statistics.median(timed(forward, args.iters, timer)),
+            "fwd_bwd_ms": statistics.median(timed(forward_backward, args.iters, timer)),
             "extra_mib": math.nan, "loss": math.nan}
 
 
