@@ -4,6 +4,9 @@
 #
 #     bash scripts/gpu_suite.sh RESULTS_DIR STAGE [STAGE ...]
 #
+# NGPU=8 (default 4) runs the same stages on 8 GPUs (issue 8): bench adds TP=8, megatron runs
+# TP8 and TP4 x PP2, max-mbs runs at TP8.
+#
 # Stages:
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
 #   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py) and the Megatron-LM
@@ -13,7 +16,7 @@
 #   pp-gemma     scripts/pp_memory_balance.py --measure, Gemma-2 2B width, 8 layers, TP2 x PP2
 #   pp-llama     the same, Llama-3 8B width, 8 layers, PP4
 #   megatron     the launcher on configs/models/gemma2_like.yaml, cce and native, TP4 and
-#                TP2 x PP2, $STEPS steps each (default 200)
+#                TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
 #   max-mbs      scripts/max_micro_batch.py, cce and native, TP4, sequence 4096
 #
 # Each stage writes its logs under RESULTS_DIR and is bounded by `timeout`, so one stage that
@@ -25,6 +28,14 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the carried wheels (stage setup)
 steps=${STEPS:-200}
+ngpu=${NGPU:-4}
+model=(--config gemma2_like)
+if [[ $ngpu == 8 ]]; then
+    # TP8 splits the key/value heads 8 ways: gemma2_like's 4 groups become 8 at every layout.
+    bench_tp=(1 2 4 8); layouts=("tp8:8:1" "tp4pp2:4:2"); model+=(--num-query-groups 8)
+else
+    bench_tp=(1 2 4); layouts=("tp4:4:1" "tp2pp2:2:2")
+fi
 data=()
 if [[ -n "${DATA_PATH:-}" ]]; then data=(--data-path "$DATA_PATH"); fi
 
@@ -41,7 +52,7 @@ run() {  # run NAME SECONDS CMD...: log to RESULTS/NAME.log, keep going on failu
 launcher() {  # launcher NAME NPROC FLAGS...: one scripts/pretrain_gpt.py run
     local name=$1 nproc=$2; shift 2
     run "$name" 240 torchrun --nproc-per-node "$nproc" --master-port 29511 \
-        scripts/pretrain_gpt.py --config gemma2_like --bf16 --seq-length 4096 \
+        scripts/pretrain_gpt.py "${model[@]}" --bf16 --seq-length 4096 \
         --micro-batch-size 1 --global-batch-size 8 --train-iters "$steps" --lr 3e-4 \
         --min-lr 3e-5 --lr-warmup-iters 20 --lr-decay-style cosine --log-interval 20 \
         --log-json "$results/$name.jsonl" "${data[@]}" "$@"
@@ -62,8 +73,8 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             tests/test_megatron_plugin.py
         ;;
     bench)
-        run bench_parallel 300 torchrun --nproc-per-node 4 scripts/bench_parallel.py \
-            --models gemma2_2b llama3_8b --tokens 8192 --tp 1 2 4 --sp off on \
+        run bench_parallel 300 torchrun --nproc-per-node "$ngpu" scripts/bench_parallel.py \
+            --models gemma2_2b llama3_8b --tokens 8192 --tp "${bench_tp[@]}" --sp off on \
             --providers ours ours-lean megatron collectives --iters 10 --warmup 3 \
             --out "$results/bench_parallel.csv"
         ;;
@@ -81,17 +92,18 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
         ;;
     megatron)
         for impl in cce native; do
-            launcher "megatron_tp4_$impl" 4 --tensor-model-parallel-size 4 \
-                --cross-entropy-fusion-impl "$impl"
-            launcher "megatron_tp2pp2_$impl" 4 --tensor-model-parallel-size 2 \
-                --pipeline-model-parallel-size 2 --cross-entropy-fusion-impl "$impl"
+            for layout in "${layouts[@]}"; do
+                IFS=: read -r name tp pp <<< "$layout"
+                launcher "megatron_${name}_$impl" "$ngpu" --tensor-model-parallel-size "$tp" \
+                    --pipeline-model-parallel-size "$pp" --cross-entropy-fusion-impl "$impl"
+            done
         done
         ;;
     max-mbs)
         for impl in cce native; do
-            run "max_mbs_$impl" 240 torchrun --nproc-per-node 4 --master-port 29512 \
-                scripts/max_micro_batch.py --config gemma2_like --bf16 \
-                --tensor-model-parallel-size 4 --seq-length 4096 \
+            run "max_mbs_$impl" 240 torchrun --nproc-per-node "$ngpu" --master-port 29512 \
+                scripts/max_micro_batch.py "${model[@]}" --bf16 \
+                --tensor-model-parallel-size "$ngpu" --seq-length 4096 \
                 --cross-entropy-fusion-impl "$impl" --out "$results/max_mbs_$impl.json"
         done
         ;;

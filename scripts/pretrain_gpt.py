@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int, default=None, help="override the config")
     g.add_argument("--vocab-size", type=int, default=None, help="override the config")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="override the config")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="override the config's key/value heads (TP must divide them)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
                    help="separate output layer (default: from the config's tie_embeddings)")
     g.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default="RMSNorm")
@@ -253,7 +255,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill config-derived defaults into ``args`` and check the layout; returns ``args``."""
     cfg = load_model_config(args.config)
     overrides = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "vocab_size",
-                                               "ffn_hidden_size") if getattr(args, k) is not None}
+                                               "ffn_hidden_size", "num_query_groups")
+                 if getattr(args, k) is not None}
     args.model = dataclasses.replace(cfg, **overrides)
     if args.untie_embeddings_and_output_weights is None:
         args.untie_embeddings_and_output_weights = not cfg.tie_embeddings
@@ -273,6 +276,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if world % (tp * pp * cp):
         raise SystemExit(f"world size {world} is not divisible by TP*PP*CP = {tp * pp * cp}")
     args.world_size = world
+    m = args.model
+    if m.num_attention_heads % tp or m.num_query_groups % tp:
+        raise SystemExit(f"--tensor-model-parallel-size {tp} must divide the attention heads "
+                         f"({m.num_attention_heads}) and the key/value groups "
+                         f"({m.num_query_groups}) of {m.name}; --num-query-groups overrides "
+                         "the groups")
     args.data_parallel_size = world // (tp * pp * cp)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # megatron turns SP off at TP=1 too

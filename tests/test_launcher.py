@@ -165,6 +165,16 @@ def test_stage_split_matches_megatron(case):
     assert ours == theirs
 
 
+def test_heads_and_groups_must_split_over_tp(capsys):
+    with pytest.raises(SystemExit, match=r"must divide the attention heads \(8\) and the "
+                                         r"key/value groups \(4\)"):
+        pretrain_gpt.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size", "8",
+                                 "--dry-run"])
+    args = pretrain_gpt.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size",
+                                    "8", "--num-query-groups", "8", "--dry-run"])
+    assert args.model.num_query_groups == 8
+
+
 def test_learning_rate_schedule():
     args = pretrain_gpt.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
                                     "2", "--train-iters", "10", "--dry-run"])

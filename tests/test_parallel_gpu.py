@@ -21,7 +21,7 @@ pytestmark = pytest.mark.requires_gpus(2)
 F32, BF16 = torch.float32, torch.bfloat16
 S, B, D = 64, 4, 512
 V = 50000
-V_PADDED = 50048  # divisible by 2 and 4 (and by 128 * 4 / 4: Megatron's per-rank padding)
+V_PADDED = 50048  # divisible by 2, 4 and 8: every rank gets whole rows
 
 
 def _cases() -> list[dict]:
@@ -50,7 +50,8 @@ def _suite(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize(
     "world",
-    [pytest.param(2, id="tp2"), pytest.param(4, id="tp4", marks=pytest.mark.requires_gpus(4))],
+    [pytest.param(2, id="tp2"), pytest.param(4, id="tp4", marks=pytest.mark.requires_gpus(4)),
+     pytest.param(8, id="tp8", marks=pytest.mark.requires_gpus(8))],
 )
 def test_matches_single_device_nccl(world, tmp_path):
     # Generous timeout: the first call of each kernel compiles it.
