@@ -6,7 +6,8 @@
 Providers: ours (``cce``: the default GEMM backward; ``cce-lean``: a 12 MiB buffer budget, which
 keeps the total under 16 MiB with cuBLAS's temporaries;
 ``cce-tiles``: the fused tile backward with the safe filter; ``cce-tiles-paper``: the same with the
-paper's filter; ``cce-det``; ``chunked``),
+paper's filter; ``cce-det``; ``chunked``; ``chunked-tokens``: gradients computed in the forward
+over token chunks of 512 MiB of logits, three matmuls and no recompute, a candidate budget mode),
 ``torch`` (eager full logits), ``torch.compile`` (the same function compiled), and, when
 installed, ``liger`` (liger-kernel's fused linear cross-entropy) and ``apple-cce``
 (cut-cross-entropy). Times are medians of ``triton.testing.do_bench`` (the backward is
@@ -111,6 +112,12 @@ def providers(names: list[str]) -> dict:
         ),
         "cce-det": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", deterministic=True),
         "chunked": lambda h, w, t: linear_cross_entropy(h, w, t, impl="chunked"),
+        # Gradients in the forward (three matmuls, no recompute), token chunks sized so one
+        # chunk's logits (bf16 from the matmul, fp32 for the math: 6 bytes each) fill 512 MiB.
+        "chunked-tokens": lambda h, w, t: linear_cross_entropy(
+            h, w, t, impl="chunked", chunk_by="tokens",
+            token_chunk_size=max(1, (512 << 20) // (6 * w.shape[0]))
+        ),
         "torch": torch_loss,
         "torch.compile": torch.compile(torch_loss),
     }
@@ -186,7 +193,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
     parser.add_argument("--regimes", nargs="+", default=["uniform", "trained"])
     parser.add_argument("--providers", nargs="+",
-                        default=["cce", "cce-lean", "chunked", "torch", "torch.compile", "liger",
+                        default=["cce", "cce-lean", "chunked", "chunked-tokens", "torch",
+                                 "torch.compile", "liger",
                                  "apple-cce"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rep-ms", type=int, default=300)
