@@ -85,8 +85,11 @@ def parallel(folder: Path) -> None:
     key = lambda r: (r["model"], int(r["tp"]), r["sp"])
     for model, tp, sp in sorted({key(r) for r in rows}):
         got = {r["provider"]: r for r in rows if key(r) == (model, tp, sp)}
-        cell = lambda p: (f"{float(got[p]['fwd_bwd_ms']):.1f} / {float(got[p]['extra_mib']):.0f}"
-                          if p in got else "-")
+        def cell(p, got=got):
+            if p not in got:
+                return "-"
+            return f"{float(got[p]['fwd_bwd_ms']):.1f} / {float(got[p]['extra_mib']):.0f}"
+
         ours, meg = float(got["ours"]["fwd_bwd_ms"]), float(got["megatron"]["fwd_bwd_ms"])
         ratio = f"{meg / ours:.2f}x faster" if ours < meg else f"{ours / meg:.2f}x slower"
         comm = f"{float(got['collectives']['fwd_bwd_ms']):.2f}" if "collectives" in got else "-"

@@ -1,16 +1,18 @@
 """Time the Triton kernels under several tile configs on this GPU; print a table, best first.
 
-    python scripts/tune_kernels.py --model gemma2_2b --tokens 8192
+    python scripts/tune_kernels.py --model gemma2_2b --tokens 8192 [--tma 1 0]
 
 We pin one config per GPU family in the kernel files (no autotuning at run time, for fast start-up
 and reproducible results); this script is how those pins are chosen. It times the linear-log-sum-exp
 forward and the logit-gradient kernel of the GEMM backward at a model's shape, beside the cuBLAS
-GEMM of the same size.
+GEMM of the same size, with the tiles read through tensor descriptors (TMA, FUSED_LCE_TMA=1) and
+through pointers (0).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from fused_lce.configs import load_model_config  # noqa: E402
 from fused_lce.function import grad_coefficients, prepare_rows  # noqa: E402
 from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
 from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
-from fused_lce.kernels.common import TileConfig  # noqa: E402
+from fused_lce.kernels.common import ENV_TMA, TileConfig  # noqa: E402
 from fused_lce.options import LCEOptions  # noqa: E402
 
 CANDIDATES = [
@@ -34,6 +36,8 @@ CANDIDATES = [
     TileConfig(256, 128, 64, 8, 3),
     TileConfig(64, 256, 64, 4, 4),
     TileConfig(128, 128, 128, 8, 3),
+    TileConfig(128, 256, 128, 8, 2),
+    TileConfig(256, 128, 64, 8, 4),
 ]
 
 
@@ -42,7 +46,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="gemma2_2b")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab-chunk", type=int, default=16384)
+    parser.add_argument("--tma", nargs="+", default=["1", "0"], choices=["1", "0"])
+    parser.add_argument("--configs", type=int, nargs="+", default=None,
+                        help="indices into CANDIDATES (default: all)")
     args = parser.parse_args(argv)
+    candidates = [CANDIDATES[i] for i in args.configs] if args.configs else CANDIDATES
     from triton.testing import do_bench
 
     cfg = load_model_config(args.model)
@@ -57,25 +65,29 @@ def main(argv=None) -> None:
           f"cuBLAS N·V·D mm {mm_ms:.2f} ms")
 
     family = "hopper"
-    for cand in CANDIDATES:
-        lse_module._CONFIGS[family] = cand
+    for tma, cand in [(t, c) for t in args.tma for c in candidates]:
+        os.environ[ENV_TMA] = tma
+        lse_module._CONFIGS[family] = lse_module._CONFIGS[f"{family}-tma"] = cand
         try:
             ms = do_bench(lambda: lse_module.lse_forward(hidden, weight, None, rows.order,
                                                          rows.n_valid),
                           rep=300, return_mode="median")
-            print(f"lse_forward  {cand}: {ms:7.2f} ms  ({mm_ms / ms:4.0%} of cuBLAS)", flush=True)
+            print(f"lse_forward  tma={tma} {cand}: {ms:7.2f} ms  ({mm_ms / ms:4.0%} of cuBLAS)",
+                  flush=True)
         except Exception as exc:  # a config the GPU cannot run (shared memory)
-            print(f"lse_forward  {cand}: failed ({type(exc).__name__})")
+            print(f"lse_forward  tma={tma} {cand}: failed ({type(exc).__name__}: {exc})"[:300])
+    lse_module._CONFIGS[family] = lse_module._CONFIGS[f"{family}-tma"] = CANDIDATES[1]
 
     stats = lse_module.lse_forward(hidden, weight, None, rows.order, rows.n_valid)
     lse = stats.lse
     grad = torch.full((n,), 1.0 / n, device="cuda")
-    coefs = grad_coefficients(grad, None, lse, rows.valid, LCEOptions(), v)
+    coefs = grad_coefficients(grad, lse, None, v, LCEOptions())
     target_local = target.to(torch.int32)
     cols = min(args.vocab_chunk, v)
     buf = torch.empty((n, cols), device="cuda", dtype=torch.bfloat16)
     chunk_mm = do_bench(lambda: hidden @ weight[:cols].t(), rep=300, return_mode="median")
-    for cand in CANDIDATES:
+    for tma, cand in [(t, c) for t in args.tma for c in candidates]:
+        os.environ[ENV_TMA] = tma
         grad_logits_module._CONFIGS[family] = cand
 
         def run():
@@ -84,10 +96,10 @@ def main(argv=None) -> None:
                                            vocab_start=0, softcap=None)
         try:
             ms = do_bench(run, rep=300, return_mode="median")
-            print(f"grad_logits  {cand}: {ms:7.3f} ms per {cols}-column chunk "
+            print(f"grad_logits  tma={tma} {cand}: {ms:7.3f} ms per {cols}-column chunk "
                   f"({chunk_mm / ms:4.0%} of cuBLAS)", flush=True)
         except Exception as exc:
-            print(f"grad_logits  {cand}: failed ({type(exc).__name__})")
+            print(f"grad_logits  tma={tma} {cand}: failed ({type(exc).__name__}: {exc})"[:300])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from fused_lce.kernels.backward import (
     lce_backward,
     plan_chunks,
 )
+from fused_lce.kernels.common import ENV_TMA, use_tma
 from fused_lce.kernels.grad_logits import grad_logits, lce_backward_gemm
 from fused_lce.kernels.indexed_dot import indexed_dot
 from fused_lce.kernels.lse_forward import lse_forward
@@ -144,14 +145,14 @@ def test_indexed_dot(dtype, softcap, shard):
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup_backward(dtype, regime, options, seed, ignore_frac=0.2, num_classes=None):
+def _setup_backward(dtype, regime, options, seed, ignore_frac=0.2, num_classes=None, d=D):
     """Inputs of lce_backward for the "mean" loss, and the fp64 logit gradient G (N, V).
 
     The lse fed to the kernel is the fp64 one rounded to fp32, as the forward would give it.
     """
     opts = LCEOptions(**options)
     hidden, weight, target, bias = make_problem(
-        N, V, D, dtype, regime, ignore_frac, bias=True, seed=seed, num_classes=num_classes
+        N, V, d, dtype, regime, ignore_frac, bias=True, seed=seed, num_classes=num_classes
     )
     rows = prepare_rows(target, IGNORE_INDEX)
     logits = (hidden.double() @ weight.double().t() + bias.double()).requires_grad_(True)
@@ -348,9 +349,13 @@ def test_filter_drops_exactly_the_negligible_tiles(mode, sorted_vocab):
 
 @pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
 def test_grad_logits_chunk(options):
+    _check_grad_logits_chunk(torch.float32, D, options)
+
+
+def _check_grad_logits_chunk(dtype, d, options):
     """G for positions [64, 150) of the row order x columns [128, 278): the fp64 logit
     gradient of those rows and columns, and exactly 0 for the ignored rows at the end."""
-    inputs, grad_logits64, opts = _setup_backward(torch.float32, "peaked", options, seed=48)
+    inputs, grad_logits64, opts = _setup_backward(dtype, "peaked", options, seed=48, d=d)
     row_start, vocab_start, cols = 64, 128, 150
     positions = inputs["row_order"][row_start:].long()
     rows = positions.numel()
@@ -387,3 +392,50 @@ def test_backward_gemm_matches_fp64(monkeypatch, options, scratch):
         assert torch.equal(first[name], second[name]), f"d{name} not repeatable"
     ignored = inputs["target_local"] < 0
     assert torch.count_nonzero(first["input"][ignored]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles read through tensor descriptors (TMA): 16-bit inputs whose rows are 16-byte aligned.
+# D = 70 above keeps the pointer kernels; D_ALIGNED runs both, chosen by FUSED_LCE_TMA.
+# ---------------------------------------------------------------------------------------------
+
+D_ALIGNED = 72
+
+
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
+def test_lse_forward_aligned_bf16(monkeypatch, tma):
+    monkeypatch.setenv(ENV_TMA, tma)
+    hidden, weight, target, bias = make_problem(
+        N, V, D_ALIGNED, torch.bfloat16, "peaked", ignore_frac=0.2, bias=True, seed=43
+    )
+    assert use_tma(hidden, weight) == (tma == "1")
+    rows = prepare_rows(target, IGNORE_INDEX)
+    stats = lse_forward(
+        hidden, weight, bias, rows.order, rows.n_valid, softcap=5.0,
+        want_row_sum=True, want_col_sum=True,
+    )
+    logits = _logits64(hidden, weight, bias, 5.0)
+    valid = rows.valid
+    assert_close_rel(stats.lse[valid], torch.logsumexp(logits, 1)[valid], TOL, name="lse")
+    _assert_sum_close(stats.row_sum[valid], logits[valid], dim=1, name="row_sum")
+    _assert_sum_close(stats.col_sum, logits[valid], dim=0, name="col_sum")
+    assert torch.all(stats.max[~valid] == float("-inf"))
+    assert torch.all(stats.sum_exp[~valid] == 0)
+
+
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
+def test_grad_logits_chunk_aligned_bf16(monkeypatch, tma):
+    monkeypatch.setenv(ENV_TMA, tma)
+    _check_grad_logits_chunk(
+        torch.bfloat16, D_ALIGNED, BACKWARD_OPTIONS["smoothing-softcap-zloss"]
+    )
+
+
+def test_tma_needs_aligned_16_bit_rows():
+    aligned = torch.zeros(8, D_ALIGNED, dtype=torch.bfloat16)
+    assert use_tma(aligned, aligned)
+    assert not use_tma(aligned.float(), aligned.float())
+    assert use_tma(aligned[:, :70], aligned)  # the row stride is still 144 bytes
+    assert not use_tma(aligned[:, 1:], aligned)  # base 2 bytes past alignment
+    assert not use_tma(torch.zeros(8, 70, dtype=torch.bfloat16), aligned)
+    assert not use_tma(aligned.t(), aligned)

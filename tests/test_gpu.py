@@ -37,7 +37,8 @@ from fused_lce import linear_cross_entropy
 pytestmark = pytest.mark.requires_cuda
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-MODERATE = (1000, 5003, 257)
+MODERATE = (1000, 5003, 257)  # 257: pointer kernels
+MODERATE_ALIGNED = (1000, 5003, 256)  # 16-byte aligned 16-bit rows: TMA kernels on Hopper
 LARGE = (4099, 32001, 1024)
 
 
@@ -107,6 +108,14 @@ def _run_case(shape, dtype, regime, group, backward, seed, **extra):
 def test_moderate(dtype, regime, group, backward):
     """Every option group through both backward paths (the tiles one with its safe filter)."""
     _run_case(MODERATE, dtype, regime, group, backward, seed=61)
+
+
+@pytest.mark.parametrize("backward", ["gemm", "gemm-small-scratch"])
+@pytest.mark.parametrize("group", OPTION_GROUPS)
+@pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
+def test_moderate_aligned_bf16(regime, group, backward):
+    """The kernels that read by TMA (forward and logit gradient) on every option group."""
+    _run_case(MODERATE_ALIGNED, BF16, regime, group, backward, seed=63)
 
 
 def _backward_variants():
@@ -289,8 +298,9 @@ def test_tokens_times_vocab_past_2_31(regime):
 
 
 @pytest.mark.slow
-def test_vocab_times_hidden_past_2_31():
-    n, v, d = 64, 2**21 + 3, 1025
+@pytest.mark.parametrize("d", [1025, 1024], ids=["pointer", "aligned"])
+def test_vocab_times_hidden_past_2_31(d):
+    n, v = 64, 2**21 + 3
     assert v * d > 2**31
     # ~4.3 GB of bf16 weight: drawn on the GPU (make_problem's fp64 draw would need 17 GB).
     gen = torch.Generator(device="cuda").manual_seed(68)

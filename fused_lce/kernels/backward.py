@@ -54,6 +54,20 @@ def _grad_tile(
         stride_en, stride_ed, stride_cv, stride_cd,
         BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
     )
+    return grad_from_logits(
+        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+        softcap, filter_threshold, FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING,
+    )
+
+
+@triton.jit
+def grad_from_logits(
+    logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+    softcap, filter_threshold,
+    FILTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """``_grad_tile`` from the tile's raw logits E @ C.T."""
     if HAS_BIAS:
         logits += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:

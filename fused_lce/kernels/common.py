@@ -67,6 +67,71 @@ def logits_tile(
     return acc
 
 
+@triton.jit
+def logits_tile_tma(
+    e_desc,
+    c_desc,
+    row0,
+    col0,
+    d_model,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``logits_tile`` for the contiguous rows ``row0:`` and columns ``col0:``, read by TMA.
+
+    The copy engine fills positions past the tensors' edges with zeros, so no masks are needed
+    here; the caller masks the tile's rows and columns.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, d_model, BLOCK_D):
+        e = e_desc.load([row0, d0])
+        c = c_desc.load([col0, d0])
+        if DOT_FP32:
+            e = e.to(tl.float32)
+            c = c.to(tl.float32)
+        acc = tl.dot(e, tl.trans(c), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+ENV_TMA = "FUSED_LCE_TMA"
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may read these 16-bit (rows, D) tensors through tensor descriptors.
+
+    Hopper and newer GPUs have the copy engine; the interpreter emulates it, which keeps the TMA
+    kernels under CI. The descriptors need a unit last stride and 16-byte aligned rows and base.
+    ``FUSED_LCE_TMA=0`` selects the pointer kernels everywhere.
+    """
+    if os.environ.get(ENV_TMA, "1") == "0":
+        return False
+    first = tensors[0]
+    if first.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if first.device.type == "cuda":
+        if torch.cuda.get_device_capability(first.device)[0] < 9:
+            return False
+    elif not INTERPRET:
+        return False
+    return all(
+        t.dim() == 2
+        and t.stride(1) == 1
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+        and t.shape[0] > 0
+        for t in tensors
+    )
+
+
+def tma_descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(tensor, [block_rows, block_d])
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_n: int

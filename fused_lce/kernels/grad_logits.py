@@ -8,8 +8,9 @@ two GEMMs consume it, with no atomics at all:
     dE[chunk rows] += G @ C[chunk cols]      (fp32 accumulation across vocabulary chunks)
     dC[chunk cols]  = G.T @ E[chunk rows]    (one GEMM over every row when the chunk holds all)
 
-The kernel recomputes the logit tile exactly as the fused backward does (``_grad_tile``), so the
-two paths share their math. Rows past the last non-ignored token get G = 0.
+The kernel recomputes the logit tile as the fused backward does and forms G with the same
+``grad_from_logits``, so the two paths share their math; on Hopper it reads its tiles through
+the copy engine (TMA). Rows past the last non-ignored token get G = 0.
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import _grad_tile
-from .common import INTERPRET, TileConfig, dot_settings, gpu_family, num_sms
+from .backward import grad_from_logits
+from .common import (
+    INTERPRET,
+    TileConfig,
+    dot_settings,
+    gpu_family,
+    logits_tile,
+    logits_tile_tma,
+    num_sms,
+    tma_descriptor,
+    use_tma,
+)
 
 
 @triton.heuristics(
@@ -67,7 +78,9 @@ def _grad_logits_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
+    # With USE_TMA, e_ptr and c_ptr are tensor descriptors of the hidden chunk and the weight.
     pid = tl.program_id(0)
     num_n = tl.cdiv(rows_in_chunk, BLOCK_N)
     num_v = tl.cdiv(vocab_in_chunk, BLOCK_V)
@@ -101,13 +114,20 @@ def _grad_logits_kernel(
         smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
     cols = (vocab_start + local_v).to(tl.int64)
     # The hidden chunk is already gathered in row order: it is read by position, not by row id.
-    grad, _ = _grad_tile(
-        e_ptr, c_ptr, bias_ptr, local_n.to(tl.int64), cols, row_mask, col_mask,
-        target, lse, p_coef, tgt_coef, smooth_coef,
-        d_model, stride_en, stride_ed, stride_cv, stride_cd,
-        softcap, 0.0,
-        BLOCK_N, BLOCK_V, BLOCK_D,
-        0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, DOT_FP32, DOT_PRECISION,
+    if USE_TMA:
+        logits = logits_tile_tma(
+            e_ptr, c_ptr, pid_n * BLOCK_N, vocab_start + pid_v * BLOCK_V, d_model,
+            BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
+        )
+    else:
+        logits = logits_tile(
+            e_ptr, c_ptr, local_n.to(tl.int64), cols, row_mask, col_mask, d_model,
+            stride_en, stride_ed, stride_cv, stride_cd,
+            BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
+        )
+    grad, _ = grad_from_logits(
+        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+        softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING,
     )
     tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
 
@@ -153,15 +173,20 @@ def grad_logits(
     cfg = grad_logits_config(hidden_chunk.device, hidden_chunk.dtype)
     dot_fp32, precision = dot_settings(hidden_chunk.dtype)
     grid = (triton.cdiv(rows, cfg.block_n) * triton.cdiv(cols, cfg.block_v),)
+    tma = use_tma(hidden_chunk, weight)
+    e_arg, c_arg = hidden_chunk, weight
+    if tma:
+        e_arg = tma_descriptor(hidden_chunk, cfg.block_n, cfg.block_d)
+        c_arg = tma_descriptor(weight, cfg.block_v, cfg.block_d)
     _grad_logits_kernel[grid](
-        hidden_chunk, weight, bias, row_order, n_valid, target_local, lse,
+        e_arg, c_arg, bias, row_order, n_valid, target_local, lse,
         coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef, out,
         row_start, rows, vocab_start, cols, hidden_chunk.shape[1],
         hidden_chunk.stride(0), hidden_chunk.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0),
         softcap,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=cfg.group,
-        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        DOT_FP32=dot_fp32, DOT_PRECISION=precision, USE_TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -178,7 +203,10 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-MAX_CHUNK_COLS = 4096
+# Measured on an H100 (docs/benchmarks/single_gpu_h100_202611/run3): 16384 columns rather than
+# 4096 take 1.1 ms (Gemma-2 2B) and 1.7 ms (Llama-3 8B) off a step of 8192 tokens, mostly in the
+# fp32 dE accumulation, which re-reads its (N, D) accumulator once per chunk.
+MAX_CHUNK_COLS = 16384
 
 
 def plan_gemm_chunks(
@@ -208,7 +236,7 @@ def plan_gemm_chunks(
             rows -= 128
     cols = max(256, cols_for(rows))
     if rows >= n_rows:
-        # Every row fits: past a few thousand columns the GEMMs gain nothing, so do not take
+        # Every row fits: past MAX_CHUNK_COLS columns the GEMMs gain nothing, so do not take
         # memory for them. (Under a tight budget wide chunks are what keeps the GPU full.)
         cols = min(cols, MAX_CHUNK_COLS)
     return max(min(rows, n_rows), 1), min(cols, max(n_vocab, 1))

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The single-GPU evidence of docs/benchmarks/single_gpu_*.md, in named stages, on one H100 or
+# H200 (the device tool's nvidia-h100-x1 / nvidia-h200), from the repository root:
+#
+#     bash scripts/gpu_single.sh RESULTS_DIR STAGE [STAGE ...]
+#
+# Stages:
+#   setup     install the carried wheels (.whl/: liger-kernel, cut-cross-entropy) and this package
+#   quick     scripts/gpu_quick_check.py: every option group against fp64, TMA and pointer kernels
+#   tune      scripts/tune_kernels.py at the Gemma-2 2B shape, TMA on and off
+#   profile   scripts/profile_lce.py: GPU busy and idle time per step, Gemma and Llama shapes
+#   tests     tests/test_gpu.py (the kernels against fp64 at moderate and large sizes)
+#   bench     scripts/bench_lce.py: ours and the peers, three shapes, N = 8192, both regimes
+#   bench-n   the same at N = 2048 and 65536 (ours, torch.compile, and the peers that fit)
+#
+# Each stage logs under RESULTS_DIR and is bounded by `timeout`.
+set -uo pipefail
+results=$1; shift
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+run() {  # run NAME SECONDS CMD...: log to RESULTS/NAME.log, keep going on failure
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*" | tee -a "$results/stages.log"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$results/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$results/stages.log"
+    tail -n 40 "$results/$name.log"
+}
+
+for stage in "$@"; do
+    case $stage in
+    setup)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null || exit 1
+        { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
+            > "$results/machine.log" 2>&1
+        ;;
+    quick)
+        run quick 120 python3 scripts/gpu_quick_check.py
+        ;;
+    tune)
+        run tune 200 python3 scripts/tune_kernels.py --model gemma2_2b --tokens 8192 \
+            --configs ${TUNE_CONFIGS:-0 1 2 4 8 9}
+        ;;
+    profile)
+        for model in gemma2_2b llama3_8b; do
+            for flags in "" "--tma 0" "--check-targets" "--chunk-cols 16384" "--scratch-mb 12"; do
+                run "profile_${model}${flags// /_}" 90 python3 scripts/profile_lce.py \
+                    --model "$model" --steps 5 $flags
+            done
+        done
+        ;;
+    tests)
+        run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ${TEST_ARGS:-}
+        ;;
+    bench)
+        run bench 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \
+            --tokens 8192 --regimes uniform trained \
+            --providers ${PROVIDERS:-cce cce-lean torch.compile liger apple-cce} \
+            --rep-ms 150 --out "$results/bench"
+        ;;
+    bench-n)
+        run bench_n 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \
+            --tokens 2048 65536 --regimes uniform trained \
+            --providers ${PROVIDERS:-cce cce-lean torch.compile} --rep-ms 150 \
+            --out "$results/bench_n"
+        ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
