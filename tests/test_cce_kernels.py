@@ -145,14 +145,16 @@ def test_indexed_dot(dtype, softcap, shard):
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup_backward(dtype, regime, options, seed, ignore_frac=0.2, num_classes=None, d=D):
+def _setup_backward(
+    dtype, regime, options, seed, ignore_frac=0.2, num_classes=None, d=D, n=N, v=V
+):
     """Inputs of lce_backward for the "mean" loss, and the fp64 logit gradient G (N, V).
 
     The lse fed to the kernel is the fp64 one rounded to fp32, as the forward would give it.
     """
     opts = LCEOptions(**options)
     hidden, weight, target, bias = make_problem(
-        N, V, d, dtype, regime, ignore_frac, bias=True, seed=seed, num_classes=num_classes
+        n, v, d, dtype, regime, ignore_frac, bias=True, seed=seed, num_classes=num_classes
     )
     rows = prepare_rows(target, IGNORE_INDEX)
     logits = (hidden.double() @ weight.double().t() + bias.double()).requires_grad_(True)
@@ -176,11 +178,11 @@ def _setup_backward(dtype, regime, options, seed, ignore_frac=0.2, num_classes=N
     coefs = GradCoefficients(
         p_coef=g * (1.0 + 2.0 * opts.z_loss * lse),
         tgt_coef=g * (1.0 - ls),
-        smooth_coef=g * (ls / V) if ls > 0 else None,
+        smooth_coef=g * (ls / v) if ls > 0 else None,
     )
     inputs = dict(
         hidden=hidden, weight=weight, bias=bias,
-        target_local=local_targets(target, valid, 0, V),
+        target_local=local_targets(target, valid, 0, v),
         row_order=rows.order, n_valid=rows.n_valid, lse=lse, coefs=coefs,
     )
     return inputs, grad_logits, opts
@@ -439,3 +441,52 @@ def test_tma_needs_aligned_16_bit_rows():
     assert not use_tma(aligned[:, 1:], aligned)  # base 2 bytes past alignment
     assert not use_tma(torch.zeros(8, 70, dtype=torch.bfloat16), aligned)
     assert not use_tma(aligned.t(), aligned)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM backward with its buffers inside the weight gradient (budgets too small for a
+# chunk of every row). V >> N, as with real vocabularies, so that the weight gradient can
+# host them: 150 tokens x 5003 classes.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, d, tol",
+    # bf16: G and the gradients are rounded to bf16 (~2^-9 each), on either path.
+    [(torch.float32, 70, TOL), (torch.bfloat16, D_ALIGNED, 8e-3)],
+    ids=["float32-pointer", "bfloat16-aligned"],
+)
+@pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
+def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options):
+    import fused_lce.kernels.grad_logits as gemm
+
+    n, v = N, 5003
+    inputs, grad_logits64, opts = _setup_backward(
+        dtype, "near-uniform", options, seed=50, d=d, n=n, v=v
+    )
+    layouts = []
+    plan = gemm.plan_weight_buffer
+    monkeypatch.setattr(
+        gemm, "plan_weight_buffer", lambda *a: layouts.append(plan(*a)) or layouts[-1]
+    )
+    elem = inputs["hidden"].element_size()
+    # The per-token vectors, the fp32 bias gradient and a G chunk of 300 columns: under the
+    # budget of a chunk of every row, over the 256-column small buffer of the last pass.
+    scratch = n * 32 + v * 4 + n * elem * 300
+    d_hidden, d_weight, d_bias = lce_backward_gemm(
+        **inputs, softcap=opts.softcap, scratch_bytes=scratch
+    )
+    (layout,) = layouts
+    assert layout is not None and layout.small_cols == 256
+    # Each of the four passes of the docstring covers some columns.
+    assert 0 < layout.g_rows < layout.free_from < v - layout.chunk_cols
+    got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
+    whole = dict(zip(("input", "weight", "bias"), lce_backward_gemm(
+        **inputs, softcap=opts.softcap, scratch_bytes=64 * 2**20
+    )))
+    for name, want in _expected_grads(inputs, grad_logits64).items():
+        assert got[name].dtype == dtype
+        assert_close_rel(got[name], want, tol, name=f"d{name}")
+        assert_close_rel(got[name], whole[name], min(tol, 2e-3), name=f"d{name} vs one chunk")
+    ignored = inputs["target_local"] < 0
+    assert ignored.any() and torch.count_nonzero(d_hidden[ignored]) == 0

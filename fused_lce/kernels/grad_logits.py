@@ -15,6 +15,8 @@ the copy engine (TMA). Rows past the last non-ignored token get G = 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -292,6 +294,18 @@ def lce_backward_gemm(
     chunk_rows, chunk_cols = plan_gemm_chunks(
         n_rows, n_vocab, d_model, hidden.element_size(), buffers, num_sms(hidden.device)
     )
+    elem = hidden.element_size()
+    needed = chunk_rows * d_model * (4 + elem) + chunk_rows * chunk_cols * elem
+    if (chunk_rows < n_rows or needed > buffers) and d_weight is not None and d_hidden is not None:
+        # The budget cannot hold every row: rather than walk token chunks (and round the weight
+        # gradient to 16 bits once per chunk), borrow the weight gradient's own storage.
+        layout = plan_weight_buffer(n_rows, n_vocab, d_model, d_weight.element_size(), buffers)
+        if layout is not None:
+            _backward_in_weight_buffer(
+                hidden, weight, bias, target_local, lse, coefs, softcap, layout,
+                d_hidden, d_weight, d_bias,
+            )
+            return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
     # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
     # fp32 and torch rounds, so CPU runs see the GPU's numerics.
     round_in_torch = INTERPRET and hidden.element_size() < 4
@@ -342,3 +356,116 @@ def lce_backward_gemm(
                 staged = hidden_chunk.copy_(staged)
             d_hidden.index_copy_(0, positions, staged)
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+
+
+# Columns per G chunk while G lives in the weight gradient's storage: wide enough for the fp32
+# dE accumulation to stay compute-bound, narrow enough that few columns need a second pass.
+BORROWED_CHUNK_COLS = 4096
+# Past this share of the vocabulary in the second pass, token chunks cost less.
+MAX_SECOND_PASS = 0.5
+
+
+@dataclass(frozen=True)
+class WeightBufferLayout:
+    """Where the backward keeps its buffers inside the (V, D) weight gradient, in weight rows.
+
+    Rows [0, g_rows) hold the G chunk (N x chunk_cols, weight dtype); rows [g_rows, free_from)
+    hold the fp32 dE accumulator (N x D). Columns at or past ``free_from`` get their weight
+    gradient on the first pass; the others are recomputed once dE is done (module docstring of
+    ``_backward_in_weight_buffer``), the last ``g_rows`` of them through a small G buffer of
+    ``small_cols`` columns taken from the budget.
+    """
+
+    chunk_cols: int
+    g_rows: int
+    free_from: int
+    small_cols: int
+
+
+def plan_weight_buffer(
+    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int
+) -> WeightBufferLayout | None:
+    """The layout, or None where it does not pay: the second pass would cover more than
+    ``MAX_SECOND_PASS`` of the vocabulary (many tokens for few vocabulary rows), or the budget
+    cannot hold a 256-column G chunk."""
+    row_bytes = d_model * elem_bytes
+    cols = min(BORROWED_CHUNK_COLS, max(256, n_vocab // 8 // 256 * 256))
+    # Whole rows, a multiple of 8 so that the accumulator starts 16-byte aligned.
+    g_rows = -(-n_rows * cols * elem_bytes // row_bytes)
+    g_rows = -(-g_rows // 8) * 8
+    acc_rows = -(-n_rows * d_model * 4 // row_bytes)
+    free_from = g_rows + acc_rows
+    small_cols = (scratch_bytes - n_rows * 8) // (n_rows * elem_bytes) // 256 * 256
+    if free_from > MAX_SECOND_PASS * n_vocab or small_cols < 256:
+        return None
+    return WeightBufferLayout(cols, g_rows, free_from, small_cols)
+
+
+def _backward_in_weight_buffer(
+    hidden, weight, bias, target_local, lse, coefs, softcap, layout: WeightBufferLayout,
+    d_hidden, d_weight, d_bias,
+):
+    """The GEMM backward with its G chunk and fp32 dE accumulator inside ``d_weight``.
+
+    The weight gradient is (V, D) and written one vocabulary chunk at a time, so until the end
+    most of it is free. With the layout's rows [0, free_from) as scratch:
+
+    1. columns [free_from, V): G, dE += G @ C, dC = G.T @ E written in place;
+    2. columns [0, free_from): G, dE += G @ C only; dE is then complete and stored;
+    3. columns [g_rows, free_from) (the accumulator's rows, now free): G again, dC in place;
+    4. columns [0, g_rows) (the G chunk's own rows): G again through a small buffer, dC.
+
+    Rows are taken in their own order, ignored ones included (their coefficients are zero and
+    their lse +inf, so their G rows are exactly 0): E and dE need no gathered copy. The price is
+    a second logit pass over ``free_from`` columns; the gain is a budget of a few MiB with dC
+    from one GEMM over every row, never rounded in between.
+    """
+    n_rows, d_model = hidden.shape
+    n_vocab = weight.shape[0]
+    device = hidden.device
+    cols = layout.chunk_cols
+    flat = d_weight.view(-1)
+    g_buffer = flat[: n_rows * cols].view(n_rows, cols)
+    acc_start = layout.g_rows * d_model
+    acc = flat[acc_start : acc_start + n_rows * d_model * 4 // d_weight.element_size()]
+    acc = acc.view(torch.float32).view(n_rows, d_model)
+    small = torch.empty((n_rows, layout.small_cols), device=device, dtype=weight.dtype)
+    every_row = torch.arange(n_rows, device=device, dtype=torch.int32)
+    n_all = torch.full((), n_rows, device=device, dtype=torch.int32)
+    # Where p_coef is 0 the softmax term drops out; an lse of +inf makes it exactly 0 rather
+    # than 0 * exp(logit - 0), which overflows for ignored rows.
+    lse_all = torch.where(coefs.p_coef != 0, lse, torch.full_like(lse, float("inf")))
+
+    def g_chunk(buffer, start, width):
+        out = buffer[:, :width]
+        target = out
+        if INTERPRET and out.element_size() < 4:
+            target = torch.empty(out.shape, device=device, dtype=torch.float32)
+        grad_logits(
+            hidden, weight, bias, every_row, n_all, target_local, lse_all, coefs, target,
+            row_start=0, vocab_start=start, softcap=softcap,
+        )
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def spans(start, stop, width):
+        return [(s, min(width, stop - s)) for s in range(start, stop, width)]
+
+    # 1 and 2: every column feeds dE; columns past the scratch also get dC and dbias now.
+    acc.zero_()
+    for start, width in spans(layout.free_from, n_vocab, cols) + spans(0, layout.free_from, cols):
+        g = g_chunk(g_buffer, start, width)
+        _accumulate_mm(acc, g, weight[start : start + width])
+        if start >= layout.free_from:
+            torch.mm(g.t(), hidden, out=d_weight[start : start + width])
+        if d_bias is not None:
+            d_bias[start : start + width] += g.sum(dim=0, dtype=torch.float32)
+    d_hidden.copy_(acc)
+    # 3: the accumulator's rows, G still in its chunk; 4: the chunk's rows, G in `small`.
+    for start, width in spans(layout.g_rows, layout.free_from, cols):
+        g = g_chunk(g_buffer, start, width)
+        torch.mm(g.t(), hidden, out=d_weight[start : start + width])
+    for start, width in spans(0, layout.g_rows, layout.small_cols):
+        g = g_chunk(small, start, width)
+        torch.mm(g.t(), hidden, out=d_weight[start : start + width])
