@@ -38,6 +38,7 @@ def linear_cross_entropy(
     filter_eps: float | str | None = "safe",
     vocab_sort: bool = True,
     deterministic: bool = False,
+    round_logits: bool = False,
     chunk_by: str = "vocab",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
@@ -68,6 +69,8 @@ def linear_cross_entropy(
         filter_eps: tiles backward filtering: "safe" (default), "paper", a float, or None (off).
         vocab_sort: tiles backward: walk the vocabulary by mean logit so negligible tiles cluster.
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
+        round_logits: cce: round each logit to the 16-bit input dtype before the softmax, as
+            a layer that stores bf16 logits does (off: exact fp32 logits).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
@@ -89,6 +92,7 @@ def linear_cross_entropy(
         filter_eps=filter_eps,
         vocab_sort=vocab_sort,
         deterministic=deterministic,
+        round_logits=round_logits,
         impl=impl,
         chunk_by=chunk_by,
         vocab_chunk_size=vocab_chunk_size,

@@ -78,9 +78,11 @@ def shard_statistics(
         softcap=opts.softcap,
         want_row_sum=opts.label_smoothing > 0,
         want_col_sum=want_col_sum,
+        round_16bit=opts.round_logits,
     )
     target_logit = indexed_dot(
-        hidden, weight, bias, target, softcap=opts.softcap, vocab_start=vocab_start
+        hidden, weight, bias, target, softcap=opts.softcap, vocab_start=vocab_start,
+        round_16bit=opts.round_logits,
     )
     return stats, target_logit
 
@@ -182,6 +184,7 @@ def shard_backward(
             want_bias=needs[2],
             d_hidden_dtype=d_hidden_dtype,
             d_weight_accumulator=d_weight_accumulator,
+            round_16bit=opts.round_logits,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
@@ -206,6 +209,7 @@ def shard_backward(
         want_weight=needs[1],
         want_bias=needs[2],
         d_hidden_dtype=d_hidden_dtype,
+        round_16bit=opts.round_logits,
     )
     return _into_accumulator(grads, d_weight_accumulator)
 

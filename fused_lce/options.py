@@ -112,6 +112,11 @@ class LCEOptions:
     vocab_sort: bool = True
     """Walk the vocabulary in order of mean logit in the tiles backward, so negligible tiles
     cluster (only used when filtering is on; off under ``deterministic``)."""
+    round_logits: bool = False
+    """cce only: round each logit ``input @ weight.T`` to the 16-bit input dtype before bias,
+    soft-capping and the fp32 softmax, as a layer that stores its logits in bf16 (megatron's
+    output layer, torch's eager path) does. Off by default: the kernels keep exact fp32 logits.
+    The chunked and torch impls always round 16-bit logits; fp32 inputs are never rounded."""
     deterministic: bool = False
     """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
     backward then recomputes logits twice, once for each gradient)."""
@@ -173,6 +178,9 @@ class LCEOptions:
                     raise TypeError(f"{name} must be a positive int or None, got {value!r}")
                 if value <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
+        for name in ("vocab_sort", "deterministic", "round_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.scratch_mb is not None:
             _check_float("scratch_mb", self.scratch_mb)
             if not self.scratch_mb > 0:

@@ -67,6 +67,7 @@ def vocab_parallel_linear_cross_entropy(
     filter_eps: float | str | None = "safe",
     vocab_sort: bool = True,
     deterministic: bool = False,
+    round_logits: bool = False,
     vocab_chunk_size: int | None = None,
     scratch_mb: float | None = None,
     check_targets: bool = True,
@@ -122,6 +123,7 @@ def vocab_parallel_linear_cross_entropy(
         filter_eps=filter_eps,
         vocab_sort=vocab_sort,
         deterministic=deterministic,
+        round_logits=round_logits,
         vocab_chunk_size=vocab_chunk_size,
         scratch_mb=scratch_mb,
     )

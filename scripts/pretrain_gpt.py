@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cce-filter-eps", type=_filter_eps, default=None,
                    metavar="{safe,paper,none,X}",
                    help="gradient filtering of the tiles backward (default: the op's, safe)")
+    g.add_argument("--cce-round-logits", action="store_true",
+                   help="round each logit to bf16 before the softmax, as the native path's "
+                   "bf16 output layer does (default: exact fp32 logits)")
 
     g = p.add_argument_group("evaluation and probes")
     g.add_argument("--valid-data-path", default=None,
@@ -243,6 +246,8 @@ def cce_options(args) -> dict:
         options["backward"] = args.cce_backward
     if args.cce_filter_eps is not None:
         options["filter_eps"] = None if args.cce_filter_eps == "none" else args.cce_filter_eps
+    if args.cce_round_logits:
+        options["round_logits"] = True
     return options
 
 
@@ -327,9 +332,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check_eval_and_probes(args) -> None:
-    if not args.uses_cce and any(v is not None for v in (args.cce_impl, args.cce_backward,
-                                                          args.cce_filter_eps)):
-        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps act on fused_lce's op: "
+    if not args.uses_cce and (args.cce_round_logits or any(
+            v is not None for v in (args.cce_impl, args.cce_backward, args.cce_filter_eps))):
+        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps / --cce-round-logits act "
+                         "on fused_lce's op: "
                          "use them with --cross-entropy-fusion-impl cce or linear")
     for flag in ("eval_interval", "eval_iters", "probe_interval"):
         value = getattr(args, flag)

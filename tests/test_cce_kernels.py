@@ -490,3 +490,64 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options):
         assert_close_rel(got[name], whole[name], min(tol, 2e-3), name=f"d{name} vs one chunk")
     ignored = inputs["target_local"] < 0
     assert ignored.any() and torch.count_nonzero(d_hidden[ignored]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# round_logits: each logit rounded to bf16 before bias, softcap and the softmax
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [D, D_ALIGNED], ids=["pointer", "aligned"])
+def test_round_logits_matches_bf16_logits(d):
+    """Forward statistics, target logit and G against fp64 math on bf16-rounded logits, and
+    visibly different from the exact ones (the rounding is really applied)."""
+    options = {"softcap": 5.0}
+    inputs, _, opts = _setup_backward(torch.bfloat16, "peaked", options, seed=51, d=d)
+    hidden, weight, bias = inputs["hidden"], inputs["weight"], inputs["bias"]
+    raw = hidden.double() @ weight.double().t()
+    rounded = raw.to(torch.bfloat16).double()  # round to nearest even, as the kernels do
+    target_local = inputs["target_local"].long()
+    rows = prepare_rows(torch.where(target_local >= 0, target_local, IGNORE_INDEX), IGNORE_INDEX)
+    valid = rows.valid
+
+    def capped(logits):
+        return 5.0 * torch.tanh((logits + bias.double()) / 5.0)
+
+    stats = lse_forward(hidden, weight, bias, rows.order, rows.n_valid, softcap=5.0,
+                        round_16bit=True)
+    want, exact = torch.logsumexp(capped(rounded), 1), torch.logsumexp(capped(raw), 1)
+    assert_close_rel(stats.lse[valid], want[valid], TOL, name="lse")
+    assert rel_err(stats.lse[valid], exact[valid]) > 10 * TOL
+
+    target = torch.where(valid, inputs["target_local"].long(), 0)
+    got = indexed_dot(hidden, weight, bias, target, softcap=5.0, round_16bit=True)
+    want_t = capped(rounded).gather(1, target[:, None]).squeeze(1)
+    assert_close_rel(got[valid], want_t[valid], TOL, name="target logit")
+
+
+def test_round_logits_end_to_end():
+    """Loss and gradients of linear_cross_entropy(round_logits=True) against fp64 autograd
+    through bf16-rounded logits (the rounding passes the gradient straight through, as a bf16
+    logits tensor does)."""
+    from fused_lce import linear_cross_entropy
+
+    hidden, weight, target, bias = make_problem(
+        N, V, D_ALIGNED, torch.bfloat16, "peaked", ignore_frac=0.2, bias=True, seed=52
+    )
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    raw = h @ w.t()
+    logits = raw + (raw.to(torch.bfloat16).double() - raw).detach() + bias.double()
+    want = torch.nn.functional.cross_entropy(
+        30.0 * torch.tanh(logits / 30.0), target, ignore_index=IGNORE_INDEX
+    )
+    want.backward()
+    hg, wg = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = linear_cross_entropy(
+        hg, wg, target, bias, impl="cce", softcap=30.0, round_logits=True
+    )
+    got.backward()
+    assert_close_rel(got, want.detach(), TOL, name="loss")
+    # bf16 gradients: G and the outputs are rounded to bf16.
+    assert_close_rel(hg.grad, h.grad, 8e-3, name="dinput")
+    assert_close_rel(wg.grad, w.grad, 8e-3, name="dweight")

@@ -32,7 +32,15 @@ import triton
 import triton.language as tl
 
 from ..terms import GradCoefficients
-from .common import TileConfig, dot_settings, gpu_family, logits_tile, tanh
+from .common import (
+    TileConfig,
+    dot_settings,
+    gpu_family,
+    logits_tile,
+    round_code,
+    round_logits,
+    tanh,
+)
 
 FILTER_OFF, FILTER_ENTRY, FILTER_MASS = 0, 1, 2
 MODE_TILES, MODE_OWN_ROWS, MODE_OWN_COLS = 0, 1, 2
@@ -47,6 +55,7 @@ def _grad_tile(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     FILTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """(G tile in fp32, whether the filter skips it) for rows x cols."""
     logits = logits_tile(
@@ -56,7 +65,7 @@ def _grad_tile(
     )
     return grad_from_logits(
         logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
-        softcap, filter_threshold, FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING,
+        softcap, filter_threshold, FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
 
 
@@ -65,9 +74,10 @@ def grad_from_logits(
     logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
     softcap, filter_threshold,
     FILTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, ROUND: tl.constexpr,
 ):
     """``_grad_tile`` from the tile's raw logits E @ C.T."""
+    logits = round_logits(logits, ROUND)
     if HAS_BIAS:
         logits += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
@@ -153,6 +163,7 @@ def _backward_kernel(
     WANT_DE: tl.constexpr,
     WANT_DC: tl.constexpr,
     WANT_DBIAS: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_valid = tl.load(n_valid_ptr)
@@ -206,7 +217,7 @@ def _backward_kernel(
                 d_model, stride_en, stride_ed, stride_cv, stride_cd,
                 softcap, filter_threshold,
                 BLOCK_N, BLOCK_V, BLOCK_D,
-                FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, DOT_FP32, DOT_PRECISION,
+                FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, DOT_FP32, DOT_PRECISION, ROUND,
             )
             if (negligible == 0) & block_has_rows:
                 if DOT_FP32:
@@ -329,6 +340,7 @@ def lce_backward(
     want_weight: bool = True,
     want_bias: bool = True,
     d_hidden_dtype: torch.dtype | None = None,
+    round_16bit: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) in the inputs' dtypes (d_hidden: ``d_hidden_dtype`` if
     given), accumulated in fp32.
@@ -374,6 +386,7 @@ def lce_backward(
     common = dict(
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=cfg.group,
         FILTER=filter_mode, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        ROUND=round_code(hidden.dtype, round_16bit),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -132,6 +132,32 @@ def tma_descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
     return TensorDescriptor.from_tensor(tensor, [block_rows, block_d])
 
 
+ROUND_OFF, ROUND_BF16, ROUND_FP16 = 0, 1, 2
+
+
+def round_code(dtype: torch.dtype, enabled: bool) -> int:
+    """The ROUND constexpr for ``round_logits``: the 16-bit input dtype, or off."""
+    if not enabled:
+        return ROUND_OFF
+    return {torch.bfloat16: ROUND_BF16, torch.float16: ROUND_FP16}.get(dtype, ROUND_OFF)
+
+
+@triton.jit
+def round_logits(x, ROUND: tl.constexpr):
+    """fp32 logits rounded to the 16-bit input dtype and back, as a layer that stores them.
+
+    bf16 rounds to nearest even on the bits, which is exact on GPUs and under the interpreter
+    (whose casts truncate).
+    """
+    if ROUND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    if ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_n: int

@@ -30,6 +30,7 @@ from .common import (
     logits_tile,
     logits_tile_tma,
     num_sms,
+    round_code,
     tma_descriptor,
     use_tma,
 )
@@ -81,6 +82,7 @@ def _grad_logits_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     USE_TMA: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     # With USE_TMA, e_ptr and c_ptr are tensor descriptors of the hidden chunk and the weight.
     pid = tl.program_id(0)
@@ -129,7 +131,7 @@ def _grad_logits_kernel(
         )
     grad, _ = grad_from_logits(
         logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
-        softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING,
+        softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
     tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
 
@@ -164,6 +166,7 @@ def grad_logits(
     row_start: int,
     vocab_start: int,
     softcap: float | None,
+    round_16bit: bool = False,
 ) -> torch.Tensor:
     """Fill ``out`` (rows, cols) with G for the chunk's rows and ``weight[vocab_start:]`` columns.
 
@@ -189,6 +192,7 @@ def grad_logits(
         softcap,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=cfg.group,
         DOT_FP32=dot_fp32, DOT_PRECISION=precision, USE_TMA=tma,
+        ROUND=round_code(hidden_chunk.dtype, round_16bit),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -261,6 +265,7 @@ def lce_backward_gemm(
     want_bias: bool = True,
     d_hidden_dtype: torch.dtype | None = None,
     d_weight_accumulator: torch.Tensor | None = None,
+    round_16bit: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
@@ -303,7 +308,7 @@ def lce_backward_gemm(
         if layout is not None:
             _backward_in_weight_buffer(
                 hidden, weight, bias, target_local, lse, coefs, softcap, layout,
-                d_hidden, d_weight, d_bias,
+                d_hidden, d_weight, d_bias, round_16bit,
             )
             return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
     # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
@@ -330,7 +335,7 @@ def lce_backward_gemm(
             g = grad_logits(
                 hidden_chunk, weight, bias, row_order, n_valid, target_local, lse, coefs,
                 g_buffer[:rows, :cols], row_start=row_start, vocab_start=vocab_start,
-                softcap=softcap,
+                softcap=softcap, round_16bit=round_16bit,
             )
             if round_in_torch:
                 g = g.to(hidden.dtype)
@@ -403,7 +408,7 @@ def plan_weight_buffer(
 
 def _backward_in_weight_buffer(
     hidden, weight, bias, target_local, lse, coefs, softcap, layout: WeightBufferLayout,
-    d_hidden, d_weight, d_bias,
+    d_hidden, d_weight, d_bias, round_16bit,
 ):
     """The GEMM backward with its G chunk and fp32 dE accumulator inside ``d_weight``.
 
@@ -443,7 +448,7 @@ def _backward_in_weight_buffer(
             target = torch.empty(out.shape, device=device, dtype=torch.float32)
         grad_logits(
             hidden, weight, bias, every_row, n_all, target_local, lse_all, coefs, target,
-            row_start=0, vocab_start=start, softcap=softcap,
+            row_start=0, vocab_start=start, softcap=softcap, round_16bit=round_16bit,
         )
         if target is not out:
             out.copy_(target)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, tanh
+from .common import INTERPRET, round_code, round_logits, tanh
 
 
 @triton.heuristics(
@@ -45,6 +45,7 @@ def _indexed_dot_kernel(
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -62,6 +63,7 @@ def _indexed_dot_kernel(
         e = tl.load(e_ptrs, mask=mask, other=0.0)
         c = tl.load(c_ptrs, mask=mask, other=0.0)
         acc += tl.sum(e.to(tl.float32) * c.to(tl.float32), axis=1)
+    acc = round_logits(acc, ROUND)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + target, mask=owned, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
@@ -77,6 +79,7 @@ def indexed_dot(
     *,
     softcap: float | None = None,
     vocab_start: int = 0,
+    round_16bit: bool = False,
 ) -> torch.Tensor:
     """(N,) fp32 target logits; 0 where ``target - vocab_start`` is not a row of ``weight``.
 
@@ -95,7 +98,7 @@ def indexed_dot(
         n_rows, weight.shape[0], d_model, vocab_start,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         softcap,
-        BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_D=block_d, ROUND=round_code(hidden.dtype, round_16bit),
         num_warps=4,
     )
     return out

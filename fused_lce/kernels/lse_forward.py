@@ -31,6 +31,8 @@ from .common import (
     logits_tile,
     logits_tile_tma,
     num_sms,
+    round_code,
+    round_logits,
     tanh,
     tma_descriptor,
     use_tma,
@@ -42,9 +44,10 @@ def _accumulate_tile(
     logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
     row_max, row_sum_exp, row_sum,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROW_SUM: tl.constexpr,
-    COL_SUM: tl.constexpr,
+    COL_SUM: tl.constexpr, ROUND: tl.constexpr,
 ):
     """Fold one logit tile into the rows' online max, sum-exp and (optional) sums."""
+    logits = round_logits(logits, ROUND)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         logits += bias[None, :]
@@ -106,6 +109,7 @@ def _lse_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     ROW_SUM: tl.constexpr,
     COL_SUM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -134,7 +138,7 @@ def _lse_forward_kernel(
         )
         row_max, row_sum_exp, row_sum = _accumulate_tile(
             logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
-            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM,
+            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
         )
 
     out = pid_split * stride_split + rows
@@ -181,6 +185,7 @@ def _lse_forward_tma_kernel(
     HAS_SOFTCAP: tl.constexpr,
     ROW_SUM: tl.constexpr,
     COL_SUM: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     """``_lse_forward_kernel`` with its tiles read by the copy engine.
 
@@ -208,7 +213,7 @@ def _lse_forward_tma_kernel(
         )
         row_max, row_sum_exp, row_sum = _accumulate_tile(
             logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
-            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM,
+            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
         )
 
     out = pid_split * stride_split + offs_n
@@ -264,6 +269,7 @@ def lse_forward(
     softcap: float | None = None,
     want_row_sum: bool = False,
     want_col_sum: bool = False,
+    round_16bit: bool = False,
 ) -> LSEStats:
     """Max and sum-exp per row of ``softcap(hidden @ weight.T + bias)`` over this weight's rows.
 
@@ -273,6 +279,8 @@ def lse_forward(
         bias: (V,) or None.
         row_order: (N,) int32, the non-ignored rows first.
         n_valid: () int32 on the device, the number of non-ignored rows.
+        round_16bit: round each logit to the 16-bit input dtype before anything else
+            (``LCEOptions.round_logits``).
     """
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
@@ -303,6 +311,7 @@ def lse_forward(
         common = dict(
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
             DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+            ROUND=round_code(hidden.dtype, round_16bit),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if tma:
