@@ -12,7 +12,8 @@ Optional outputs, each behind a constexpr switch:
 
 Rows are read through ``row_order``: the non-ignored tokens first, ``n_valid`` of them, counted on
 the device. Programs whose rows are all ignored return at once, so ignored tokens cost nothing and
-no host sync is needed to remove them.
+no host sync is needed to remove them. On Hopper (``USE_TMA``) the tiles come through the copy
+engine, which reads consecutive rows: there rows keep their order and ignored ones are masked.
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ def _lse_forward_kernel(
     bias_ptr,
     row_order_ptr,
     n_valid_ptr,
+    row_valid_ptr,
     max_ptr,
     sum_exp_ptr,
     row_sum_ptr,
     col_sum_ptr,
     # sizes
+    n_rows,
     n_vocab,
     d_model,
     vocab_per_split,
@@ -110,16 +113,23 @@ def _lse_forward_kernel(
     ROW_SUM: tl.constexpr,
     COL_SUM: tl.constexpr,
     ROUND: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
+    # With USE_TMA, e_ptr and c_ptr are tensor descriptors. The copy engine reads blocks of
+    # consecutive rows, so rows are then taken in their own order and ignored ones are masked
+    # (row_valid) instead of sorted away (row_order, n_valid).
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
-    n_valid = tl.load(n_valid_ptr)
-    if pid_n * BLOCK_N >= n_valid:
-        return
-
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = offs_n < n_valid
-    rows = tl.load(row_order_ptr + offs_n, mask=row_mask, other=0).to(tl.int64)
+    if USE_TMA:
+        in_rows = offs_n < n_rows
+        row_mask = in_rows & (tl.load(row_valid_ptr + offs_n, mask=in_rows, other=0) != 0)
+        rows = offs_n.to(tl.int64)
+    else:
+        row_mask = offs_n < tl.load(n_valid_ptr)
+        rows = tl.load(row_order_ptr + offs_n, mask=row_mask, other=0).to(tl.int64)
+    if tl.max(row_mask.to(tl.int32)) == 0:
+        return
 
     row_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -131,92 +141,23 @@ def _lse_forward_kernel(
     for v_offset in range(0, vocab_per_split, BLOCK_V):
         cols = (v_start + v_offset + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_mask = cols < n_vocab
-        logits = logits_tile(
-            e_ptr, c_ptr, rows, cols, row_mask, col_mask, d_model,
-            stride_en, stride_ed, stride_cv, stride_cd,
-            BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
-        )
+        if USE_TMA:
+            logits = logits_tile_tma(
+                e_ptr, c_ptr, pid_n * BLOCK_N, v_start + v_offset, d_model,
+                BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
+            )
+        else:
+            logits = logits_tile(
+                e_ptr, c_ptr, rows, cols, row_mask, col_mask, d_model,
+                stride_en, stride_ed, stride_cv, stride_cd,
+                BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
+            )
         row_max, row_sum_exp, row_sum = _accumulate_tile(
             logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
             row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
         )
 
     out = pid_split * stride_split + rows
-    tl.store(max_ptr + out, row_max, mask=row_mask)
-    tl.store(sum_exp_ptr + out, row_sum_exp, mask=row_mask)
-    if ROW_SUM:
-        tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
-
-
-@triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
-        "COL_SUM": lambda args: args["col_sum_ptr"] is not None,
-    }
-)
-@triton.jit
-def _lse_forward_tma_kernel(
-    # tensor descriptors and pointers
-    e_desc,
-    c_desc,
-    bias_ptr,
-    row_valid_ptr,
-    max_ptr,
-    sum_exp_ptr,
-    row_sum_ptr,
-    col_sum_ptr,
-    # sizes
-    n_rows,
-    n_vocab,
-    d_model,
-    vocab_per_split,
-    stride_split,
-    # scalars
-    softcap,
-    # meta-parameters
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    ROW_SUM: tl.constexpr,
-    COL_SUM: tl.constexpr,
-    ROUND: tl.constexpr,
-):
-    """``_lse_forward_kernel`` with its tiles read by the copy engine.
-
-    The copy engine reads blocks of consecutive rows, so rows are taken in their own order and
-    ignored rows are masked instead of sorted away; a block with no valid row returns at once.
-    """
-    pid_n = tl.program_id(0)
-    pid_split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = offs_n < n_rows
-    row_mask = in_rows & (tl.load(row_valid_ptr + offs_n, mask=in_rows, other=0) != 0)
-    if tl.max(row_mask.to(tl.int32)) == 0:
-        return
-
-    row_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    v_start = pid_split * vocab_per_split
-    for v_offset in range(0, vocab_per_split, BLOCK_V):
-        cols = (v_start + v_offset + tl.arange(0, BLOCK_V)).to(tl.int64)
-        col_mask = cols < n_vocab
-        logits = logits_tile_tma(
-            e_desc, c_desc, pid_n * BLOCK_N, v_start + v_offset, d_model,
-            BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
-        )
-        row_max, row_sum_exp, row_sum = _accumulate_tile(
-            logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
-            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
-        )
-
-    out = pid_split * stride_split + offs_n
     tl.store(max_ptr + out, row_max, mask=row_mask)
     tl.store(sum_exp_ptr + out, row_sum_exp, mask=row_mask)
     if ROW_SUM:
@@ -314,26 +255,21 @@ def lse_forward(
             ROUND=round_code(hidden.dtype, round_16bit),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        e_arg, c_arg, row_valid = hidden, weight, None
         if tma:
-            _lse_forward_tma_kernel[grid](
-                tma_descriptor(hidden, cfg.block_n, cfg.block_d),
-                tma_descriptor(weight, cfg.block_v, cfg.block_d),
-                bias, _valid_rows(row_order, n_valid),
-                part_max, part_sum_exp, part_row_sum, col_sum,
-                n_rows, n_vocab, d_model, vocab_per_split, part_max.stride(0),
-                softcap,
-                **common,
-            )
-        else:
-            _lse_forward_kernel[grid](
-                hidden, weight, bias, row_order, n_valid,
-                part_max, part_sum_exp, part_row_sum, col_sum,
-                n_vocab, d_model, vocab_per_split,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                part_max.stride(0),
-                softcap,
-                **common,
-            )
+            e_arg = tma_descriptor(hidden, cfg.block_n, cfg.block_d)
+            c_arg = tma_descriptor(weight, cfg.block_v, cfg.block_d)
+            row_valid = _valid_rows(row_order, n_valid)
+        _lse_forward_kernel[grid](
+            e_arg, c_arg, bias, row_order, n_valid, row_valid,
+            part_max, part_sum_exp, part_row_sum, col_sum,
+            n_rows, n_vocab, d_model, vocab_per_split,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            part_max.stride(0),
+            softcap,
+            USE_TMA=tma,
+            **common,
+        )
 
     if splits == 1:
         row_max, sum_exp = part_max[0], part_sum_exp[0]
