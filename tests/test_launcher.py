@@ -351,9 +351,12 @@ def test_cce_option_flags():
     args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-impl",
                                     "chunked", "--dry-run"])
     assert pretrain_gpt.cce_options(args) == {"impl": "chunked"}
-    for flag, value in (("--cce-backward", "tiles"), ("--cce-impl", "chunked")):
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-round-logits",
+                                    "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"round_logits": True}
+    for flags in (["--cce-backward", "tiles"], ["--cce-impl", "chunked"], ["--cce-round-logits"]):
         with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
-            pretrain_gpt.parse_args([flag, value, "--dry-run"])
+            pretrain_gpt.parse_args([*flags, "--dry-run"])
     with pytest.raises(SystemExit):
         pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
                                  "tiny", "--dry-run"])
