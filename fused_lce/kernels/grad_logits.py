@@ -301,7 +301,8 @@ def lce_backward_gemm(
     )
     elem = hidden.element_size()
     needed = chunk_rows * d_model * (4 + elem) + chunk_rows * chunk_cols * elem
-    if (chunk_rows < n_rows or needed > buffers) and d_weight is not None and d_hidden is not None:
+    borrowable = d_weight is not None and d_weight.is_contiguous() and d_hidden is not None
+    if (chunk_rows < n_rows or needed > buffers) and borrowable:
         # The budget cannot hold every row: rather than walk token chunks (and round the weight
         # gradient to 16 bits once per chunk), borrow the weight gradient's own storage.
         layout = plan_weight_buffer(n_rows, n_vocab, d_model, d_weight.element_size(), buffers)
@@ -376,7 +377,7 @@ class WeightBufferLayout:
 
     Rows [0, g_rows) hold the G chunk (N x chunk_cols, weight dtype); rows [g_rows, free_from)
     hold the fp32 dE accumulator (N x D). Columns at or past ``free_from`` get their weight
-    gradient on the first pass; the others are recomputed once dE is done (module docstring of
+    gradient on the first pass; the others are recomputed once dE is done (the docstring of
     ``_backward_in_weight_buffer``), the last ``g_rows`` of them through a small G buffer of
     ``small_cols`` columns taken from the budget.
     """
