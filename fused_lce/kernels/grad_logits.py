@@ -293,9 +293,10 @@ def lce_backward_gemm(
                 grad.zero_()
         return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
-    # The per-token vectors (lse, coefficients, row order) and the fp32 bias gradient live
-    # beside the chunk buffers: keep them inside the budget too.
-    buffers = scratch_bytes - n_rows * 32 - (n_vocab * 4 if want_bias else 0)
+    # The per-token vectors (lse, coefficients, row order, targets, their temporaries: 64 bytes
+    # a token) and the fp32 bias gradient live beside the chunk buffers: keep them inside the
+    # budget too. (Measured at N = 65536 with 32 bytes a token: 1.8 MiB over a 512 MiB budget.)
+    buffers = scratch_bytes - n_rows * 64 - (n_vocab * 4 if want_bias else 0)
     chunk_rows, chunk_cols = plan_gemm_chunks(
         n_rows, n_vocab, d_model, hidden.element_size(), buffers, num_sms(hidden.device)
     )
@@ -306,7 +307,9 @@ def lce_backward_gemm(
         # The budget cannot hold every row: rather than walk token chunks (and round the weight
         # gradient to 16 bits once per chunk), borrow the weight gradient's own storage.
         layout = plan_weight_buffer(n_rows, n_vocab, d_model, d_weight.element_size(), buffers)
-        if layout is not None:
+        if layout is not None and (
+            layout.free_from <= MAX_SECOND_PASS * n_vocab or chunk_rows < MIN_TOKEN_CHUNK_ROWS
+        ):
             _backward_in_weight_buffer(
                 hidden, weight, bias, target_local, lse, coefs, softcap, layout,
                 d_hidden, d_weight, d_bias, round_16bit,
@@ -325,10 +328,14 @@ def lce_backward_gemm(
         if want_hidden
         else None
     )
+    # One buffer for every token chunk's gathered rows: `x = hidden.index_select(...)` in the
+    # loop would hold two chunks at once while the new one is built (measured: +140-155 MiB
+    # over a 512 MiB budget at N = 65536 on an H100).
+    hidden_rows = torch.empty((chunk_rows, d_model), device=hidden.device, dtype=hidden.dtype)
     for row_start in range(0, n_rows, chunk_rows):
         rows = min(chunk_rows, n_rows - row_start)
         positions = row_order[row_start : row_start + rows].long()
-        hidden_chunk = hidden.index_select(0, positions)
+        hidden_chunk = torch.index_select(hidden, 0, positions, out=hidden_rows[:rows])
         if d_hidden_acc is not None:
             d_hidden_acc[:rows].zero_()
         for vocab_start in range(0, n_vocab, chunk_cols):
@@ -367,8 +374,14 @@ def lce_backward_gemm(
 # Columns per G chunk while G lives in the weight gradient's storage: wide enough for the fp32
 # dE accumulation to stay compute-bound, narrow enough that few columns need a second pass.
 BORROWED_CHUNK_COLS = 4096
-# Past this share of the vocabulary in the second pass, token chunks cost less.
+# The last pass halves its G chunk until this width, then takes the small buffer of the budget.
+MIN_BORROWED_COLS = 256
+# The borrowed layout costs a second logit pass over the share ``free_from / V`` of the
+# vocabulary. Token chunks cost nothing extra while they are tall (N = 8192 tokens in one chunk
+# run at 1.12x the four-GEMM bound on an H100), so past MAX_SECOND_PASS they win; short ones
+# lose more (the lean budget's 256-row chunks took 2.4x the default at N = 65536).
 MAX_SECOND_PASS = 0.5
+MIN_TOKEN_CHUNK_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -378,8 +391,8 @@ class WeightBufferLayout:
     Rows [0, g_rows) hold the G chunk (N x chunk_cols, weight dtype); rows [g_rows, free_from)
     hold the fp32 dE accumulator (N x D). Columns at or past ``free_from`` get their weight
     gradient on the first pass; the others are recomputed once dE is done (the docstring of
-    ``_backward_in_weight_buffer``), the last ``g_rows`` of them through a small G buffer of
-    ``small_cols`` columns taken from the budget.
+    ``_backward_in_weight_buffer``), the last of them through a small G buffer of ``small_cols``
+    columns taken from the budget.
     """
 
     chunk_cols: int
@@ -388,21 +401,24 @@ class WeightBufferLayout:
     small_cols: int
 
 
+def _rows_holding(n_bytes: int, row_bytes: int) -> int:
+    """Weight rows that hold ``n_bytes``; a multiple of 8, so what follows is 16-byte aligned."""
+    rows = -(-n_bytes // row_bytes)
+    return -(-rows // 8) * 8
+
+
 def plan_weight_buffer(
     n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int
 ) -> WeightBufferLayout | None:
-    """The layout, or None where it does not pay: the second pass would cover more than
-    ``MAX_SECOND_PASS`` of the vocabulary (many tokens for few vocabulary rows), or the budget
-    cannot hold a 256-column G chunk."""
+    """The layout, or None where the buffers do not fit: the G chunk and the fp32 accumulator
+    need more rows than the weight gradient has (at 16 bits, 2N + N * chunk_cols / D rows), or
+    the budget cannot hold a G chunk of 16 columns."""
     row_bytes = d_model * elem_bytes
-    cols = min(BORROWED_CHUNK_COLS, max(256, n_vocab // 8 // 256 * 256))
-    # Whole rows, a multiple of 8 so that the accumulator starts 16-byte aligned.
-    g_rows = -(-n_rows * cols * elem_bytes // row_bytes)
-    g_rows = -(-g_rows // 8) * 8
-    acc_rows = -(-n_rows * d_model * 4 // row_bytes)
-    free_from = g_rows + acc_rows
-    small_cols = (scratch_bytes - n_rows * 8) // (n_rows * elem_bytes) // 256 * 256
-    if free_from > MAX_SECOND_PASS * n_vocab or small_cols < 256:
+    cols = min(BORROWED_CHUNK_COLS, max(MIN_BORROWED_COLS, n_vocab // 8 // 256 * 256))
+    g_rows = _rows_holding(n_rows * cols * elem_bytes, row_bytes)
+    free_from = g_rows + -(-n_rows * d_model * 4 // row_bytes)
+    small_cols = (scratch_bytes - n_rows * 8) // (n_rows * elem_bytes) // 16 * 16
+    if free_from > n_vocab or small_cols < 16:
         return None
     return WeightBufferLayout(cols, g_rows, free_from, small_cols)
 
@@ -468,10 +484,24 @@ def _backward_in_weight_buffer(
         if d_bias is not None:
             d_bias[start : start + width] += g.sum(dim=0, dtype=torch.float32)
     d_hidden.copy_(acc)
-    # 3: the accumulator's rows, G still in its chunk; 4: the chunk's rows, G in `small`.
+    # 3: the accumulator's rows, G still in its chunk.
     for start, width in spans(layout.g_rows, layout.free_from, cols):
         g = g_chunk(g_buffer, start, width)
         torch.mm(g.t(), hidden, out=d_weight[start : start + width])
-    for start, width in spans(0, layout.g_rows, layout.small_cols):
-        g = g_chunk(small, start, width)
-        torch.mm(g.t(), hidden, out=d_weight[start : start + width])
+    # 4: the chunk's own rows. Each round halves the chunk, which then fits below the columns
+    # it serves; the last few hundred rows go through `small`.
+    elem = d_weight.element_size()
+    top, width = layout.g_rows, cols
+    while width // 2 >= MIN_BORROWED_COLS:
+        width //= 2
+        bottom = _rows_holding(n_rows * width * elem, d_model * elem)
+        if bottom >= top:
+            break
+        half = flat[: n_rows * width].view(n_rows, width)
+        for start, span in spans(bottom, top, width):
+            g = g_chunk(half, start, span)
+            torch.mm(g.t(), hidden, out=d_weight[start : start + span])
+        top = bottom
+    for start, span in spans(0, top, layout.small_cols):
+        g = g_chunk(small, start, span)
+        torch.mm(g.t(), hidden, out=d_weight[start : start + span])
