@@ -50,7 +50,14 @@ def reduce_scatter_first_dim(tensor: torch.Tensor, group) -> torch.Tensor:
             f"reduce-scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size {size}"
         )
     tensor = tensor.contiguous()
-    out = tensor.new_empty((tensor.shape[0] // size, *tensor.shape[1:]))
+    rows = tensor.shape[0] // size
+    if dist.get_backend(group) == "nccl":
+        # NCCL reduces in place when the output is this rank's slice of the input (as Megatron's
+        # distributed optimizer does): no second buffer of N/TP rows.
+        start = rank(group) * rows
+        out = tensor[start : start + rows]
+    else:
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
     dist.reduce_scatter_tensor(out, tensor, group=group)
     return out
 

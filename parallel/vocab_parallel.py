@@ -22,7 +22,7 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
     backward  SP only: all-gather hidden   [N/TP x D -> N x D], input dtype (re-gathered rather
                                             than saved: saves (TP-1)/TP of N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
-              reduce-scatter d_hidden       [N x D -> N/TP x D] fp32
+              reduce-scatter d_hidden       [N x D -> N/TP x D] fp32, in place on NCCL
     per call  all-gather of shard layout    [TP x 3] int64 and a host sync, unless both
                                             ``vocab_start_index`` and ``vocab_size`` are given
     debug     all-gather of shapes          [TP x 5] int64, only with ``debug=True``
@@ -253,10 +253,13 @@ class _VocabParallelLCE(torch.autograd.Function):
         shard = _shard_ops(ctx.impl, local)
         accumulator = ctx.weight_grad_accumulator
         shard_acc = None if accumulator is None or not needs[1] else accumulator[:local]
+        # Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer.
+        partial_dtype = torch.float32 if comm.world_size(ctx.group) > 1 else input.dtype
         d_hidden, d_shard_w, d_shard_b = shard.backward(
             ctx.state, hidden, shard_w, shard_b, target, lse, coefs, opts, ctx.vocab_start,
-            ctx.num_classes, needs, shard_acc,
+            ctx.num_classes, needs, shard_acc, partial_dtype,
         )
+        del hidden  # under SP a gathered copy: free it before the reduce-scatter
 
         d_input = None
         if needs[0]:
@@ -367,14 +370,14 @@ class _CCEShard:
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs, d_weight_accumulator):
+                 vocab_start, num_classes, needs, d_weight_accumulator, partial_dtype):
         from fused_lce.function import local_targets, shard_backward
 
         rows, col_sum = state
         target_local = local_targets(target, rows.valid, vocab_start, weight.shape[0])
         return shard_backward(
             hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, num_classes,
-            needs, d_hidden_dtype=torch.float32, d_weight_accumulator=d_weight_accumulator,
+            needs, d_hidden_dtype=partial_dtype, d_weight_accumulator=d_weight_accumulator,
         )
 
 
@@ -402,7 +405,7 @@ class _ChunkedShard:
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs, d_weight_accumulator):
+                 vocab_start, num_classes, needs, d_weight_accumulator, partial_dtype):
         from fused_lce.chunked import vocab_backward
 
         valid, local = state
@@ -412,8 +415,8 @@ class _ChunkedShard:
             hidden.index_select(0, valid), weight, bias, local, pick(lse), coefs, opts,
             (True, needs[1], needs[2]),
         )
-        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        d_hidden.index_copy_(0, valid, d_rows.float())
+        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
+        d_hidden.index_copy_(0, valid, d_rows.to(partial_dtype))
         if d_bias is not None:
             d_bias = d_bias.to(bias.dtype)
         if d_weight_accumulator is not None and d_weight is not None:
@@ -435,8 +438,8 @@ class _EmptyShard:
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs, opts, vocab_start,
-                 num_classes, needs, d_weight_accumulator):
-        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+                 num_classes, needs, d_weight_accumulator, partial_dtype):
+        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
         d_weight = None if d_weight_accumulator is not None else weight.new_zeros(weight.shape)
         d_bias = None if bias is None else bias.new_zeros(bias.shape)
         return d_hidden, d_weight, d_bias
