@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"),
                    default=default_impl,
                    help="layer implementation; transformer_engine only where it is importable")
+    g.add_argument("--local-attention", choices=("unfused", "sdpa"), default="unfused",
+                   help="core attention of the local layers: megatron-core's DotProductAttention "
+                        "(keeps the scores) or torch's scaled_dot_product_attention (flash on "
+                        "the GPU; fused_lce.parallel.megatron_attention)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -272,6 +276,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.transformer_impl == "transformer_engine" and not _te_importable():
         raise SystemExit("--transformer-impl transformer_engine: transformer_engine is not "
                          "importable here; use --transformer-impl local")
+    if args.local_attention != "unfused" and args.transformer_impl != "local":
+        raise SystemExit(f"--local-attention {args.local_attention} needs --transformer-impl "
+                         "local (transformer_engine brings its own attention)")
     if impl == "te" and not _te_importable():
         raise SystemExit("--cross-entropy-fusion-impl te needs transformer_engine")
 
@@ -655,6 +662,12 @@ def layer_spec(args, config):
     layer = fn(**_supported_kwargs(fn, normalization=args.normalization))
     layer.submodules = dataclasses.replace(
         layer.submodules, input_layernorm=MegatronNorm, pre_mlp_layernorm=MegatronNorm)
+    if args.local_attention == "sdpa":
+        from fused_lce.parallel.megatron_attention import SDPAttention
+
+        attention = layer.submodules.self_attention
+        attention.submodules = dataclasses.replace(
+            attention.submodules, core_attention=SDPAttention)
     count = get_num_layers_to_build(config)
     from megatron.core import parallel_state
 
