@@ -5,7 +5,8 @@
 #     bash scripts/gpu_suite.sh RESULTS_DIR STAGE [STAGE ...]
 #
 # NGPU=8 (default 4) runs the same stages on 8 GPUs (issue 8): bench adds TP=8, megatron runs
-# TP8 and TP4 x PP2, max-mbs runs at TP8.
+# TP8 and TP4 x PP2, max-mbs runs at TP8. NGPU=2 (nvidia-h200-x2): bench at TP 1 and 2, megatron
+# and max-mbs run at TP2.
 #
 # Stages:
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
@@ -19,7 +20,8 @@
 #                TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
 #   max-mbs      scripts/max_micro_batch.py, cce and native, TP4, sequence 4096
 #
-# Each stage writes its logs under RESULTS_DIR and is bounded by `timeout`, so one stage that
+# LAUNCH_FLAGS adds launcher flags to the megatron and max-mbs stages (e.g. "--local-attention
+# sdpa --sequence-parallel"). Each stage writes its logs under RESULTS_DIR and is bounded by `timeout`, so one stage that
 # hangs costs its own limit, not the rest. DATA_PATH (a token-file prefix) switches the launcher
 # runs from mock data to that file.
 set -uo pipefail
@@ -30,7 +32,9 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the carried wheels (st
 steps=${STEPS:-200}
 ngpu=${NGPU:-4}
 model=(--config gemma2_like)
-if [[ $ngpu == 8 ]]; then
+if [[ $ngpu == 2 ]]; then
+    bench_tp=(1 2); layouts=("tp2:2:1")
+elif [[ $ngpu == 8 ]]; then
     # TP8 splits the key/value heads 8 ways: gemma2_like's 4 groups become 8 at every layout.
     bench_tp=(1 2 4 8); layouts=("tp8:8:1" "tp4pp2:4:2"); model+=(--num-query-groups 8)
 else
@@ -55,7 +59,7 @@ launcher() {  # launcher NAME NPROC FLAGS...: one scripts/pretrain_gpt.py run
         scripts/pretrain_gpt.py "${model[@]}" --bf16 --seq-length 4096 \
         --micro-batch-size 1 --global-batch-size 8 --train-iters "$steps" --lr 3e-4 \
         --min-lr 3e-5 --lr-warmup-iters 20 --lr-decay-style cosine --log-interval 20 \
-        --log-json "$results/$name.jsonl" "${data[@]}" "$@"
+        --log-json "$results/$name.jsonl" "${data[@]}" ${LAUNCH_FLAGS:-} "$@"
 }
 
 for stage in "$@"; do
@@ -104,7 +108,8 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             run "max_mbs_$impl" 240 torchrun --nproc-per-node "$ngpu" --master-port 29512 \
                 scripts/max_micro_batch.py "${model[@]}" --bf16 \
                 --tensor-model-parallel-size "$ngpu" --seq-length 4096 \
-                --cross-entropy-fusion-impl "$impl" --out "$results/max_mbs_$impl.json"
+                --cross-entropy-fusion-impl "$impl" --out "$results/max_mbs_$impl.json" \
+                ${LAUNCH_FLAGS:-}
         done
         ;;
     *)
