@@ -448,7 +448,7 @@ def summarize(runs: list[Run], targets: Targets) -> list[dict]:
     """One row per (corpus, variant): final numbers as mean/min/max over seeds, and the
     differences of the means to the reference variant of the same corpus."""
     groups: dict[tuple[str, str], list[Run]] = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r.job.seed):
         groups.setdefault((run.job.corpus, run.job.variant), []).append(run)
     rows = []
     for (corpus, variant), group in sorted(groups.items()):
@@ -468,11 +468,20 @@ def summarize(runs: list[Run], targets: Targets) -> list[dict]:
         row["step_ms_median"] = 1e3 * float(np.median([x["step_s"] for r in group
                                                         for x in r.records]))
         rows.append(row)
-    reference = {r["corpus"]: r for r in rows if r["variant"] == targets.reference}
+    # Differences to the reference are paired by seed (the same data order and initialisation),
+    # over the seeds both variants ran: a control with fewer seeds is not compared with the
+    # reference's mean over others.
+    finals = {"train": Run.final_train_loss, "valid": lambda r: r.final("valid_loss")}
     for row in rows:
-        ref = reference.get(row["corpus"])
-        for key in ("train", "valid"):
-            row[f"{key}_delta"] = row[f"{key}_mean"] - ref[f"{key}_mean"] if ref else float("nan")
+        ref_runs = {r.job.seed: r for r in groups.get((row["corpus"], targets.reference), [])}
+        paired = [(r, ref_runs[r.job.seed]) for r in groups[(row["corpus"], row["variant"])]
+                  if r.job.seed in ref_runs]
+        row["paired_seeds"] = len(paired)
+        for key, fn in finals.items():
+            diffs = np.asarray([fn(r) - fn(ref) for r, ref in paired], dtype=float)
+            row[f"{key}_delta"] = float(diffs.mean()) if len(diffs) else float("nan")
+            row[f"{key}_delta_se"] = (float(diffs.std(ddof=1) / np.sqrt(len(diffs)))
+                                      if len(diffs) > 1 else float("nan"))
     return rows
 
 
@@ -506,16 +515,21 @@ def markdown_table(rows: list[dict], targets: Targets) -> str:
         return (f"{row[key + '_mean']:.{digits}f} [{row[key + '_min']:.{digits}f}, "
                 f"{row[key + '_max']:.{digits}f}]")
 
+    def delta(row, key):
+        se = row[f"{key}_delta_se"]
+        return f"{row[key + '_delta']:+.4f}" + ("" if np.isnan(se) else f" ± {se:.4f}")
+
     lines = [f"| corpus | variant | seeds | steps | final train loss | Δ train vs "
-             f"{targets.reference} | final valid loss | Δ valid | valid loss, unseen targets "
+             f"{targets.reference} (paired, ± s.e.) | final valid loss | Δ valid | "
+             f"valid loss, unseen targets "
              f"(n) | unseen mass | worst grad err {targets.probe} / tiles_paper | step ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         paper = row.get("grad_err_tiles_paper_max", float("nan"))
         lines.append(
             f"| {row['corpus']} | {row['variant']} | {row['seeds']} | {row['steps']} | "
-            f"{spread(row, 'train')} | {row['train_delta']:+.4f} | {spread(row, 'valid')} | "
-            f"{row['valid_delta']:+.4f} | {row['valid_unseen_loss_mean']:.3f} "
+            f"{spread(row, 'train')} | {delta(row, 'train')} | {spread(row, 'valid')} | "
+            f"{delta(row, 'valid')} | {row['valid_unseen_loss_mean']:.3f} "
             f"({row['valid_unseen_targets']:.0f}) | {row['unseen_mass_mean']:.2e} | "
             f"{row.get(f'grad_err_{targets.probe}_max', float('nan')):.1e} / {paper:.1e} | "
             f"{row['step_ms_median']:.0f} |")

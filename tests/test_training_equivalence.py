@@ -148,3 +148,23 @@ def test_cpu_smoke_run_and_report(tmp_path):
         rows = {r["variant"]: r for r in csv.DictReader(f)}
     assert abs(float(rows["cce"]["train_delta"])) < 1e-4
     assert float(rows["cce"]["grad_err_gemm_max"]) < 1e-5
+
+
+def test_deltas_are_paired_by_seed(tmp_path):
+    """A variant run on fewer seeds is compared with the reference on those seeds only."""
+    _fake_logs(tmp_path, delta=0.004)
+    # native seed 3 lies 0.3 above the rest: an unpaired mean would move by 0.1.
+    far = [json.loads(line)
+           for line in (tmp_path / "text_native_s1.jsonl").read_text().splitlines()]
+    for record in far:
+        record["loss"] += 0.3
+        if "valid_loss" in record:
+            record["valid_loss"] += 0.3
+    (tmp_path / "text_native_s3.jsonl").write_text("\n".join(map(json.dumps, far)) + "\n")
+    targets = eq.load_experiment(eq.DEFAULT_CONFIG).targets
+    rows = eq.summarize(eq.read_runs(tmp_path), targets)
+    cce = next(r for r in rows if r["corpus"] == "text" and r["variant"] == "cce")
+    assert cce["paired_seeds"] == 2 and cce["seeds"] == "1,2"
+    assert cce["valid_delta"] == pytest.approx(0.004, abs=1e-9)
+    # Seeds 1 and 2 differ by the same amount: no spread.
+    assert cce["valid_delta_se"] == pytest.approx(0.0, abs=1e-9)
