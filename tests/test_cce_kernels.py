@@ -470,6 +470,11 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, sma
     monkeypatch.setattr(
         gemm, "plan_weight_buffer", lambda *a: layouts.append(plan(*a)) or layouts[-1]
     )
+    widths = []
+    kernel = gemm.grad_logits
+    monkeypatch.setattr(
+        gemm, "grad_logits", lambda *a, **k: widths.append(a[8].shape[1]) or kernel(*a, **k)
+    )
     elem = inputs["hidden"].element_size()
     # The per-token vectors, the fp32 bias gradient and a G chunk of `small` columns: far under
     # the budget of a chunk of every row.
@@ -479,9 +484,12 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, sma
     )
     (layout,) = layouts
     assert layout is not None and small - 16 <= layout.small_cols <= small
-    # Each of the four passes of the docstring covers some columns, the last one in two rounds:
-    # a chunk of half the width (as the 256-column floor allows), then the small buffer.
+    # Each of the four passes of the docstring covers some columns. The last one goes through
+    # the small buffer alone (small-300), or first through a chunk of half the width, 256
+    # columns (the floor), then through the small buffer (small-40).
     assert layout.chunk_cols == 512
+    assert (256 in widths) == (layout.small_cols < 256), (widths, layout)
+    assert widths[-1] <= layout.small_cols
     assert 0 < layout.g_rows < layout.free_from < v - layout.chunk_cols
     got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
     whole = dict(zip(("input", "weight", "bias"), lce_backward_gemm(

@@ -489,10 +489,10 @@ def _backward_in_weight_buffer(
         g = g_chunk(g_buffer, start, width)
         torch.mm(g.t(), hidden, out=d_weight[start : start + width])
     # 4: the chunk's own rows. Each round halves the chunk, which then fits below the columns
-    # it serves; the last few hundred rows go through `small`.
+    # it serves, while the half is still wider than `small`; `small` takes the rest.
     elem = d_weight.element_size()
     top, width = layout.g_rows, cols
-    while width // 2 >= MIN_BORROWED_COLS:
+    while width // 2 >= MIN_BORROWED_COLS and width // 2 > layout.small_cols:
         width //= 2
         bottom = _rows_holding(n_rows * width * elem, d_model * elem)
         if bottom >= top:
