@@ -175,6 +175,16 @@ def test_heads_and_groups_must_split_over_tp(capsys):
     assert args.model.num_query_groups == 8
 
 
+def test_local_attention_flag(monkeypatch):
+    args = pretrain_gpt.parse_args(["--local-attention", "sdpa", "--dry-run"])
+    assert args.local_attention == "sdpa" and args.transformer_impl == "local"
+    # With transformer-engine the layers bring their own attention: the flag is refused.
+    monkeypatch.setattr(pretrain_gpt, "_te_importable", lambda: True)
+    with pytest.raises(SystemExit, match="--local-attention sdpa needs --transformer-impl local"):
+        pretrain_gpt.parse_args(["--local-attention", "sdpa", "--transformer-impl",
+                                 "transformer_engine", "--dry-run"])
+
+
 def test_learning_rate_schedule():
     args = pretrain_gpt.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
                                     "2", "--train-iters", "10", "--dry-run"])
