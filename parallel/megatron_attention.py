@@ -64,10 +64,13 @@ class SDPAttention(torch.nn.Module):
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # megatron's True means "masked out", SDPA's "attend"
         dropout = self.dropout if self.training else 0.0
-        attend = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-            scale=self.softmax_scale,
-        )
+
+        def attend():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                scale=self.softmax_scale,
+            )
+
         if dropout > 0 and not getattr(self.config, "sequence_parallel", False):
             # As DotProductAttention: heads differ per TP rank, so their dropout masks must too.
             from megatron.core import tensor_parallel
