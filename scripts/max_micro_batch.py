@@ -9,8 +9,14 @@ Takes scripts/pretrain_gpt.py's flags (model, layout, loss) and builds the same 
 optimizer once. It runs one whole training step at micro-batch 1 (so the optimizer's states
 exist, as in training), then forward+backward passes of one micro-batch of growing size: doubling
 until one runs out of memory, then bisecting between the last size that fit and the first that did
-not. Each try that fits records its peak (``torch.cuda.max_memory_allocated``). All ranks agree on
-each outcome through one all-reduce, so they try the same sizes.
+not. Each try that fits records its peak (``torch.cuda.max_memory_allocated``). Once two sizes
+fit, the peak's growth per micro-batch predicts the largest size, and the search jumps there
+instead of doubling past it: a try that overshoots by far has left the later, smaller tries
+failing too (an H200 x2 run in November 2026), so the search aims at one out-of-memory try near
+the edge. After every try each rank reports the memory still allocated, so a try that leaves
+memory behind shows in the log and the JSON. All ranks agree on each outcome through one
+all-reduce on a CPU (gloo) group with a timeout: ranks that fell out of step after an
+out-of-memory error end the search with an error instead of a hang or a wrong answer.
 
 Tensor parallelism only (PP = 1): its ranks allocate alike and run out of memory at the same
 allocation, before any collective that a rank could be left waiting in. Pipeline stages do not
@@ -23,6 +29,7 @@ import argparse
 import gc
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -50,10 +57,12 @@ def parse_args(argv=None):
     return args
 
 
-def sizes_to_try(fits, limit: int):
-    """Micro-batch sizes to try, given ``fits(size) -> bool``: doubling, then bisection.
+def sizes_to_try(fits, limit: int, predict=None):
+    """Micro-batch sizes to try, given ``fits(size) -> bool``: growing, then bisection.
 
-    Returns (largest size that fit or 0, {size: fitted}).
+    The growing phase doubles, or, where ``predict(largest_fit) -> int | None`` expects the
+    largest size that fits below the double, tries that prediction (at least one more than the
+    last fit) instead. Returns (largest size that fit or 0, {size: fitted}).
     """
     tried = {}
     size, good, bad = 1, 0, None
@@ -65,6 +74,9 @@ def sizes_to_try(fits, limit: int):
             return size, tried
         else:
             good, size = size, min(2 * size, limit)
+            expected = predict(good) if predict is not None else None
+            if expected is not None and expected < size:
+                size = max(good + 1, expected)
     while bad - good > 1:
         middle = (good + bad) // 2
         tried[middle] = fits(middle)
@@ -109,10 +121,14 @@ def main(argv=None) -> None:
             optimizer.step()
 
     step(1, update=True)
-    peaks = {}
+    # The outcome exchange goes over gloo with a timeout: after an out-of-memory error inside a
+    # collective-bearing step, ranks may be out of step on the NCCL group.
+    outcomes = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    capacity_gib = torch.cuda.mem_get_info()[1] / 2**30 if device.type == "cuda" else None
+    peaks, left_allocated = {}, {}
 
     def fits(micro_batch: int) -> bool:
-        ok = 1
+        ok, peak = 1, 0.0
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -120,22 +136,44 @@ def main(argv=None) -> None:
             step(micro_batch, update=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-                peaks[micro_batch] = torch.cuda.max_memory_allocated() / 2**30
+                peak = torch.cuda.max_memory_allocated() / 2**30
         except torch.OutOfMemoryError:
             ok = 0
         gc.collect()
+        allocated = 0.0
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        flag = torch.tensor([ok], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            allocated = torch.cuda.memory_allocated() / 2**30
+        # [fits on every rank, largest peak, largest allocation left after the try]
+        report = torch.tensor([1.0 - ok, peak, allocated], dtype=torch.float64)
+        try:
+            torch.distributed.all_reduce(report, op=torch.distributed.ReduceOp.MAX,
+                                         group=outcomes)
+        except RuntimeError as error:
+            raise SystemExit(f"micro-batch {micro_batch}: ranks fell out of step after an "
+                             f"out-of-memory error ({error}); the search stops here") from None
+        fitted = report[0].item() == 0
+        left_allocated[micro_batch] = report[2].item()
+        if fitted:
+            peaks[micro_batch] = report[1].item()
         if reporter:
-            state = f"fits, peak {peaks.get(micro_batch, float('nan')):.2f} GiB" if flag.item() \
-                else "out of memory"
+            state = f"fits, peak {peaks[micro_batch]:.2f} GiB" if fitted else "out of memory"
             print(f"micro-batch {micro_batch:>5} ({micro_batch * args.seq_length:>8} tokens): "
-                  f"{state}", flush=True)
-        return bool(flag.item())
+                  f"{state}; {left_allocated[micro_batch]:.2f} GiB allocated after", flush=True)
+        return fitted
 
-    best, tried = sizes_to_try(fits, args.max_micro_batch)
+    def predict(largest_fit: int):
+        """The largest size whose peak stays under 97% of the GPU, from the last two fits."""
+        fitted = sorted(size for size in peaks if size <= largest_fit)
+        if capacity_gib is None or len(fitted) < 2:
+            return None
+        small, large = fitted[-2], fitted[-1]
+        growth = (peaks[large] - peaks[small]) / (large - small)
+        if growth <= 0:
+            return None
+        return large + int((0.97 * capacity_gib - peaks[large]) / growth)
+
+    best, tried = sizes_to_try(fits, args.max_micro_batch, predict)
     if reporter:
         result = {"impl": args.cross_entropy_fusion_impl, "config": args.model.name,
                   "num_layers": args.model.num_layers, "tp": args.tensor_model_parallel_size,
@@ -143,7 +181,9 @@ def main(argv=None) -> None:
                   "max_micro_batch": best, "max_tokens": best * args.seq_length,
                   "capped": best == args.max_micro_batch,
                   "tried": {str(k): v for k, v in sorted(tried.items())},
-                  "peak_gib": {str(k): v for k, v in sorted(peaks.items())}}
+                  "peak_gib": {str(k): v for k, v in sorted(peaks.items())},
+                  "allocated_after_gib": {str(k): v for k, v in sorted(left_allocated.items())},
+                  "capacity_gib": capacity_gib}
         print(f"largest micro-batch {best} x {args.seq_length} = {best * args.seq_length} "
               f"tokens with {args.cross_entropy_fusion_impl}", flush=True)
         if args.out is not None:

@@ -352,6 +352,25 @@ def test_max_micro_batch_search_finds_the_threshold(limit):
         assert len(calls) == len(set(calls)) and max(calls) <= limit
 
 
+@pytest.mark.parametrize("error", [-50, -3, 0, 1, 7, 1000])
+def test_max_micro_batch_search_follows_a_prediction(error):
+    """A prediction off by ``error`` still finds the threshold; an exact one costs one failure."""
+    import max_micro_batch
+
+    for threshold in range(0, 80):
+        calls = []
+
+        def fits(size, threshold=threshold, calls=calls):
+            calls.append(size)
+            return size <= threshold
+
+        best, tried = max_micro_batch.sizes_to_try(fits, 64, lambda good, t=threshold: t + error)
+        assert best == min(threshold, 64), (threshold, tried)
+        assert len(calls) == len(set(calls)) and max(calls) <= 64
+        if error == 0 and 2 <= threshold < 64:
+            assert sum(not ok for ok in tried.values()) == 1, tried
+
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation, probes and the cce options (docs/training_equivalence.md)
 # ---------------------------------------------------------------------------------------------
