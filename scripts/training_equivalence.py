@@ -34,7 +34,8 @@ over gloo with the config's tiny ``cpu_smoke`` settings (a test does).
 
 and prints a markdown table and one PASS/FAIL line per target of the config (the candidate's
 final losses within ``loss_nats`` of the reference's, means over seeds; the default op's
-gradient error at most ``grad_rel_err`` at every probe). ``--strict`` exits 1 on a FAIL.
+gradient error at most ``grad_rel_err`` at every probe along the candidate's and the reference's
+runs; INFO lines give it along the other variants' runs). ``--strict`` exits 1 on a FAIL.
 """
 
 from __future__ import annotations
@@ -485,8 +486,9 @@ def summarize(runs: list[Run], targets: Targets) -> list[dict]:
     return rows
 
 
-def check_targets(rows: list[dict], runs: list[Run], targets: Targets) -> list[tuple[bool, str]]:
-    """(passed, line) per target and corpus."""
+def check_targets(rows: list[dict], runs: list[Run],
+                  targets: Targets) -> list[tuple[bool | None, str]]:
+    """(passed, line) per target and corpus; passed is None for a line that is no target."""
     checks = []
     for corpus in sorted({r["corpus"] for r in rows}):
         by_variant = {r["variant"]: r for r in rows if r["corpus"] == corpus}
@@ -500,13 +502,26 @@ def check_targets(rows: list[dict], runs: list[Run], targets: Targets) -> list[t
             ok = abs(delta) <= targets.loss_nats  # NaN (no validation) fails
             checks.append((ok, f"{corpus}: {label} {targets.candidate} - {targets.reference} = "
                                f"{delta:+.4f} nats (|.| <= {targets.loss_nats})"))
-        errors = [max(p["grad_rel_err"][targets.probe].values())
-                  for run in runs if run.job.corpus == corpus for _, p in run.probes
-                  if targets.probe in p["grad_rel_err"]]
-        worst = max(errors) if errors else float("nan")
-        checks.append((bool(errors) and worst <= targets.grad_rel_err,
-                       f"{corpus}: loss-layer grad rel. err of {targets.probe} (the default op), "
-                       f"worst of {len(errors)} probes = {worst:.2e} (<= {targets.grad_rel_err})"))
+        # The target holds along the trajectories of the candidate and the reference: the
+        # states training reaches with either loss. Other variants' trajectories (the paper's
+        # filter diverges) are reported beside it, not held to it.
+        trained = (targets.candidate, targets.reference)
+        for held, label in ((True, f"{targets.candidate} and {targets.reference} runs"),
+                            (False, "other variants' runs")):
+            errors = [max(p["grad_rel_err"][targets.probe].values())
+                      for run in runs if run.job.corpus == corpus
+                      and (run.job.variant in trained) == held for _, p in run.probes
+                      if targets.probe in p["grad_rel_err"]]
+            if not errors and not held:
+                continue
+            worst = max(errors) if errors else float("nan")
+            line = (f"{corpus}: loss-layer grad rel. err of {targets.probe} (the default op) "
+                    f"along the {label}, worst of {len(errors)} probes = {worst:.2e}")
+            if held:
+                checks.append((bool(errors) and worst <= targets.grad_rel_err,
+                               f"{line} (<= {targets.grad_rel_err})"))
+            else:
+                checks.append((None, f"{line} (not a target)"))
     return checks
 
 
@@ -719,12 +734,12 @@ def cmd_report(args) -> int:
         lines += [f"note: {run.job.name} probe at step {step} failed: {error}"
                   for step, error in run.failed_probes]
     checks = check_targets(rows, runs, exp.targets)
-    lines += [f"{'PASS' if ok else 'FAIL'}  {line}" for ok, line in checks]
+    lines += [f"{ {True: 'PASS', False: 'FAIL', None: 'INFO'}[ok]}  {line}" for ok, line in checks]
     text = "\n".join(lines)
     print(text)
     (dest / "summary.md").write_text(text + "\n")
     print(f"\nwrote final.csv, summary.md and the figures to {dest}")
-    return 1 if args.strict and not all(ok for ok, _ in checks) else 0
+    return 1 if args.strict and any(ok is False for ok, _ in checks) else 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -81,11 +81,17 @@ def test_matrix_commands_parse_with_the_launcher(tmp_path):
     assert all("_cce-paper_" in n for n in order[8:])
 
 
-def _fake_logs(out: Path, delta: float = 0.002, gemm_err: float = 2e-3) -> None:
-    """Logs of 100 steps for 2 corpora x 2 variants x 2 seeds; cce sits ``delta`` above native."""
+def _fake_logs(out: Path, delta: float = 0.002, gemm_err: float = 2e-3,
+               paper_gemm_err: float | None = None) -> None:
+    """Logs of 100 steps for 2 corpora x 2 variants x 2 seeds; cce sits ``delta`` above native.
+
+    With ``paper_gemm_err``, cce-paper runs too, 1 nat above, their probes that far off."""
     rng = np.random.default_rng(0)
+    variants = [("native", 0.0, gemm_err), ("cce", delta, gemm_err)]
+    if paper_gemm_err is not None:
+        variants.append(("cce-paper", 1.0, paper_gemm_err))
     for corpus in ("text", "zipf"):
-        for variant, offset in (("native", 0.0), ("cce", delta)):
+        for variant, offset, gemm_err in variants:
             for seed in (1, 2):
                 lines = []
                 for step in range(1, 101):
@@ -124,6 +130,16 @@ def test_report_targets(tmp_path, case, delta, gemm_err, failing):
     assert len(failed) == 2 * len(failing), (case, checks)
     for phrase in failing:
         assert sum(phrase in line for line in failed) == 2, (case, failed)
+
+
+def test_gradient_target_holds_along_the_trained_runs_only(tmp_path):
+    """The paper filter's runs reach states the target does not cover: reported, not failed."""
+    _fake_logs(tmp_path, paper_gemm_err=5e-2)
+    runs = eq.read_runs(tmp_path)
+    targets = eq.load_experiment(eq.DEFAULT_CONFIG).targets
+    checks = eq.check_targets(eq.summarize(runs, targets), runs, targets)
+    assert [ok for ok, _ in checks] == [True, True, True, None] * 2, checks
+    assert all("5.00e-02" in line for ok, line in checks if ok is None)
 
 
 def test_cpu_smoke_run_and_report(tmp_path):
