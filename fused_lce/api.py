@@ -39,6 +39,7 @@ def linear_cross_entropy(
     vocab_sort: bool = True,
     deterministic: bool = False,
     round_logits: bool = False,
+    recompute_logits: bool = True,
     chunk_by: str = "vocab",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
@@ -71,6 +72,9 @@ def linear_cross_entropy(
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
         round_logits: cce: round each logit to the 16-bit input dtype before the softmax, as
             a layer that stores bf16 logits does (off: exact fp32 logits).
+        recompute_logits: cce: False keeps the logits (as 16-bit exponentials, N x V) from the
+            forward so the backward skips recomputing them: faster, at a bf16 logits tensor's
+            memory.
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
@@ -93,6 +97,7 @@ def linear_cross_entropy(
         vocab_sort=vocab_sort,
         deterministic=deterministic,
         round_logits=round_logits,
+        recompute_logits=recompute_logits,
         impl=impl,
         chunk_by=chunk_by,
         vocab_chunk_size=vocab_chunk_size,

@@ -16,7 +16,7 @@ import torch
 from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.indexed_dot import indexed_dot
-from .kernels.lse_forward import LSEStats, lse_forward
+from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
@@ -67,7 +67,8 @@ def shard_statistics(
 ) -> tuple[LSEStats, torch.Tensor]:
     """(max / sum-exp / row-sum statistics, target logit) of this weight shard's columns.
 
-    The target logit is 0 for tokens whose target another shard owns.
+    The target logit is 0 for tokens whose target another shard owns. The statistics hold the
+    kept logits where the options ask for them (``keeps_logits``).
     """
     stats = lse_forward(
         hidden,
@@ -79,6 +80,7 @@ def shard_statistics(
         want_row_sum=opts.label_smoothing > 0,
         want_col_sum=want_col_sum,
         round_16bit=opts.round_logits,
+        keep_logits=keeps_logits(opts),
     )
     target_logit = indexed_dot(
         hidden, weight, bias, target, softcap=opts.softcap, vocab_start=vocab_start,
@@ -138,6 +140,11 @@ def backward_path(opts: LCEOptions) -> str:
     return "gemm" if opts.backward == "auto" else opts.backward
 
 
+def keeps_logits(opts: LCEOptions) -> bool:
+    """Whether the forward keeps its logits for the backward (LCEOptions.recompute_logits)."""
+    return not opts.recompute_logits and backward_path(opts) == "gemm"
+
+
 def use_vocab_sort(opts: LCEOptions, filter_code: int) -> bool:
     return (
         backward_path(opts) == "tiles"
@@ -161,11 +168,12 @@ def shard_backward(
     needs: tuple[bool, bool, bool],
     d_hidden_dtype: torch.dtype | None = None,
     d_weight_accumulator: torch.Tensor | None = None,
+    kept: KeptLogits | None = None,
 ):
     """(d_hidden partial, d_weight, d_bias) for this shard, against the global ``lse``.
 
     With ``d_weight_accumulator`` (fp32, the weight's shape) the weight gradient is added into
-    it and returned as None.
+    it and returned as None. ``kept``: the forward's kept logits (``keeps_logits``), consumed.
     """
     if backward_path(opts) == "gemm":
         return lce_backward_gemm(
@@ -185,6 +193,7 @@ def shard_backward(
             d_hidden_dtype=d_hidden_dtype,
             d_weight_accumulator=d_weight_accumulator,
             round_16bit=opts.round_logits,
+            kept=kept,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
@@ -240,6 +249,7 @@ class CCEFunction(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, bias, target, lse, stats.col_sum)
         ctx.rows = rows
+        ctx.kept = stats.kept
         ctx.opts = opts
         ctx.set_materialize_grads(False)
         return loss, lse
@@ -249,6 +259,7 @@ class CCEFunction(torch.autograd.Function):
         hidden, weight, bias, target, lse, col_sum = ctx.saved_tensors
         opts: LCEOptions = ctx.opts
         rows: RowOrder = ctx.rows
+        kept, ctx.kept = ctx.kept, None  # freed with G at the end of this backward
         n_rows, n_classes = hidden.shape[0], weight.shape[0]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
@@ -260,7 +271,8 @@ class CCEFunction(torch.autograd.Function):
         coefs = masked_grad_coefficients(grad_token, grad_lse, lse, rows.valid, opts, n_classes)
         target_local = local_targets(target, rows.valid, 0, n_classes)
         d_hidden, d_weight, d_bias = shard_backward(
-            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs
+            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs,
+            kept=kept,
         )
         return d_hidden, d_weight, d_bias, None, None
 

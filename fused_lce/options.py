@@ -117,6 +117,12 @@ class LCEOptions:
     soft-capping and the fp32 softmax, as a layer that stores its logits in bf16 (megatron's
     output layer, torch's eager path) does. Off by default: the kernels keep exact fp32 logits.
     The chunked and torch impls always round 16-bit logits; fp32 inputs are never rounded."""
+    recompute_logits: bool = True
+    """cce, gemm backward: False keeps every logit from the forward, as exp(logit - running max)
+    in 16 bits (2 bytes a logit, N x V, plus an fp32 max per row and 256 columns), so the backward
+    skips recomputing them: one GEMM of the four fewer, at the memory of a bf16 logits tensor,
+    held from the forward to the backward. Faster where the GEMMs dominate (large D); it gives
+    up the memory saving that is the point of the op. The chunked and torch impls ignore it."""
     deterministic: bool = False
     """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
     backward then recomputes logits twice, once for each gradient)."""
@@ -178,9 +184,14 @@ class LCEOptions:
                     raise TypeError(f"{name} must be a positive int or None, got {value!r}")
                 if value <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
-        for name in ("vocab_sort", "deterministic", "round_logits"):
+        for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.recompute_logits and self.backward == "tiles":
+            raise ValueError(
+                "recompute_logits=False needs backward='gemm' or 'auto' (the tiles backward "
+                "always recomputes), got backward='tiles'"
+            )
         if self.scratch_mb is not None:
             _check_float("scratch_mb", self.scratch_mb)
             if not self.scratch_mb > 0:

@@ -42,7 +42,8 @@ import torch
 CCE_CHOICES = ("cce", "linear")
 _PATCHED = "_fused_lce_patched"
 _OPTION_NAMES = ("softcap", "z_loss", "label_smoothing", "impl", "backward", "filter_eps",
-                 "scratch_mb", "deterministic", "round_logits", "vocab_size")
+                 "scratch_mb", "deterministic", "round_logits", "recompute_logits",
+                 "vocab_size")
 
 
 @dataclass

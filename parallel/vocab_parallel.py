@@ -68,6 +68,7 @@ def vocab_parallel_linear_cross_entropy(
     vocab_sort: bool = True,
     deterministic: bool = False,
     round_logits: bool = False,
+    recompute_logits: bool = True,
     vocab_chunk_size: int | None = None,
     scratch_mb: float | None = None,
     check_targets: bool = True,
@@ -124,6 +125,7 @@ def vocab_parallel_linear_cross_entropy(
         vocab_sort=vocab_sort,
         deterministic=deterministic,
         round_logits=round_logits,
+        recompute_logits=recompute_logits,
         vocab_chunk_size=vocab_chunk_size,
         scratch_mb=scratch_mb,
     )
@@ -366,18 +368,20 @@ class _CCEShard:
             hidden, weight, bias, target, rows, opts, vocab_start=vocab_start,
             want_col_sum=use_vocab_sort(opts, filter_code),
         )
-        return (rows, stats.col_sum), (stats.max, stats.sum_exp, stats.row_sum, target_logit)
+        state = (rows, stats.col_sum, stats.kept)
+        return state, (stats.max, stats.sum_exp, stats.row_sum, target_logit)
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
                  vocab_start, num_classes, needs, d_weight_accumulator, partial_dtype):
         from fused_lce.function import local_targets, shard_backward
 
-        rows, col_sum = state
+        rows, col_sum, kept = state
         target_local = local_targets(target, rows.valid, vocab_start, weight.shape[0])
         return shard_backward(
             hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, num_classes,
             needs, d_hidden_dtype=partial_dtype, d_weight_accumulator=d_weight_accumulator,
+            kept=kept,
         )
 
 

@@ -4,7 +4,8 @@
         --regimes uniform trained --out docs/benchmarks/run
 
 Providers: ours (``cce``: the default GEMM backward; ``cce-lean``: a 12 MiB buffer budget, which
-keeps the total under 16 MiB with cuBLAS's temporaries;
+keeps the total under 16 MiB with cuBLAS's temporaries; ``cce-kept``: ``recompute_logits=False``,
+the forward's logits kept as 16-bit exponentials so the backward skips their recompute;
 ``cce-tiles``: the fused tile backward with the safe filter; ``cce-tiles-paper``: the same with the
 paper's filter; ``cce-det``; ``chunked``; ``chunked-tokens``: gradients computed in the forward
 over token chunks of 512 MiB of logits, three matmuls and no recompute, a candidate budget mode),
@@ -106,6 +107,9 @@ def providers(names: list[str]) -> dict:
     table = {
         "cce": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce"),
         "cce-lean": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", scratch_mb=12),
+        "cce-kept": lambda h, w, t: linear_cross_entropy(
+            h, w, t, impl="cce", recompute_logits=False
+        ),
         "cce-tiles": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", backward="tiles"),
         "cce-tiles-paper": lambda h, w, t: linear_cross_entropy(
             h, w, t, impl="cce", backward="tiles", filter_eps="paper"

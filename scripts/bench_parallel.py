@@ -24,6 +24,8 @@ Providers:
   backward recomputing each shard's logits. Called as the megatron adapter calls it: the even
   shard layout given (no layout collective) and no target range check (no host sync).
 - ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
+- ``ours-kept``: the same with ``recompute_logits=False``: the forward keeps each shard's logits
+  as 16-bit exponentials (N x V_local x 2 bytes) and the backward does not recompute them.
 - ``collectives``: only our layer's collectives, with its sizes and dtypes and no compute (TP > 1):
   the most that overlapping them with compute could save.
 - ``megatron`` (when megatron-core is installed): what ColumnParallelLinear followed by
@@ -71,7 +73,7 @@ from fused_lce.configs import known_models, load_model_config  # noqa: E402
 MIB = 2**20
 LEAN_SCRATCH_MB = 12
 """``ours-lean``: the op's scratch bound in MiB (the lean mode of docs/algorithm.md)."""
-PROVIDERS = ("ours", "ours-lean", "megatron", "torch-logits-vp", "collectives")
+PROVIDERS = ("ours", "ours-lean", "ours-kept", "megatron", "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
 SMOKE_SHAPE = (48, 32, 1003)
 
@@ -354,6 +356,8 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
         table["ours"] = ours()
     if "ours-lean" in names:
         table["ours-lean"] = ours(scratch_mb=LEAN_SCRATCH_MB)
+    if "ours-kept" in names:
+        table["ours-kept"] = ours(recompute_logits=False)
     # Megatron's sequence-parallel all-gather allocates on CUDA: no SP for it in --cpu-smoke.
     if "megatron" in names and megatron_available() and not (sp and args.cpu_smoke):
         table["megatron"] = lambda h, w, t: megatron_loss(h, w, t, sp=sp, softcap=softcap)

@@ -81,6 +81,12 @@ CASES = [
     case("bf16-peaked-none-tiles-eps1e-6-nosort", BF16, "peaked", SMALL, 0.1, True,
          reduction="none", backward="tiles", filter_eps=1e-6, vocab_sort=False),
     case("f16-peaked-mean-lse", F16, "peaked", SMALL, 0.1, True, return_lse=True),
+    # The backward from the forward's kept logits (recompute_logits=False).
+    case("f32-uniform-everything-padding-kept", F32, "near-uniform", LARGER, 0.1, True,
+         label_smoothing=0.1, softcap=5.0, z_loss=1e-3, num_classes=500, return_lse=True,
+         recompute_logits=False),
+    case("bf16-peaked-none-zloss-batch-dims-kept", BF16, "peaked", SMALL, 0.2, True, n=(2, 75),
+         reduction="none", z_loss=1e-3, recompute_logits=False),
 ]
 
 
@@ -282,3 +288,19 @@ def test_safe_filter_skips_tiles_in_peaked_regime():
     print(f"\nsafe filter may skip {skippable} of {total} tiles")
     assert skippable >= 5
     compare_to_reference(*problem, impl="cce", backward="tiles")
+
+
+def test_kept_logits_skip_the_recompute(monkeypatch):
+    """recompute_logits=False really takes the kept path: no logit chunk is recomputed."""
+    import fused_lce.kernels.grad_logits as gemm
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("a logit chunk was recomputed")
+
+    monkeypatch.setattr(gemm, "grad_logits", no_recompute)
+    hidden, weight, target, _ = make_problem(40, 300, 24, BF16, "peaked", 0.1, seed=56)
+    hidden.requires_grad_()
+    linear_cross_entropy(hidden, weight, target, impl="cce", recompute_logits=False).backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad.float()).all()
+    with pytest.raises(AssertionError, match="recomputed"):
+        linear_cross_entropy(hidden, weight, target, impl="cce").backward()

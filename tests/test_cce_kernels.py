@@ -562,3 +562,71 @@ def test_round_logits_end_to_end():
     # bf16 gradients: G and the outputs are rounded to bf16.
     assert_close_rel(hg.grad, h.grad, 8e-3, name="dinput")
     assert_close_rel(wg.grad, w.grad, 8e-3, name="dweight")
+
+
+# ---------------------------------------------------------------------------------------------
+# recompute_logits=False: the forward keeps exp(logit - running max) per tile, the backward
+# forms G from it in place and runs one GEMM per gradient, with no logit recomputed.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
+@pytest.mark.parametrize("kept_bits", [32, 16], ids=["kept-fp32", "kept-bf16"])
+def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
+    """The gradients match fp64 without a single grad_logits call. 16 bits: the interpreter
+    truncates where the GPU rounds, so this bounds the GPU's error from above."""
+    import fused_lce.kernels.grad_logits as gemm
+    import fused_lce.kernels.lse_forward as forward
+
+    monkeypatch.setenv(ENV_TMA, tma)
+    if kept_bits == 16:
+        monkeypatch.setattr(forward, "kept_dtype", lambda hidden: torch.bfloat16)
+    inputs, grad_logits64, opts = _setup_backward(
+        torch.bfloat16, "peaked", options, seed=54, d=D_ALIGNED
+    )
+    stats = lse_forward(
+        inputs["hidden"], inputs["weight"], inputs["bias"], inputs["row_order"],
+        inputs["n_valid"], softcap=opts.softcap, keep_logits=True,
+    )
+    kept = stats.kept
+    assert kept.scaled.dtype == (torch.bfloat16 if kept_bits == 16 else torch.float32)
+    valid = prepare_rows(torch.where(inputs["target_local"] >= 0, 0, IGNORE_INDEX),
+                         IGNORE_INDEX).valid
+    # What was kept is the logits: max + log(scaled) against fp64, on the rows not ignored.
+    logits64 = _logits64(inputs["hidden"], inputs["weight"], inputs["bias"], opts.softcap)
+    tile = torch.arange(V) // kept.block_v
+    rebuilt = kept.tile_max[:, tile] + torch.log(kept.scaled.float())
+    assert rel_err(rebuilt[valid], logits64[valid]) < (2e-6 if kept_bits == 32 else 2e-3)
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("a logit chunk was recomputed")
+
+    monkeypatch.setattr(gemm, "grad_logits", no_recompute)
+    d_hidden, d_weight, d_bias = lce_backward_gemm(
+        **inputs, softcap=opts.softcap, scratch_bytes=64 * 2**20, kept=kept
+    )
+    assert kept.scaled is None  # consumed: G took its storage
+    got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
+    for name, want in _expected_grads(inputs, grad_logits64).items():
+        assert got[name].dtype == torch.bfloat16
+        assert_close_rel(got[name], want, 8e-3, name=f"d{name}")
+    assert torch.count_nonzero(d_hidden[~valid]) == 0
+
+
+def test_backward_from_kept_logits_into_fp32_partials():
+    """The vocab-parallel shapes of the call: an fp32 partial d_hidden and Megatron's fp32
+    main_grad as the weight gradient's accumulator."""
+    inputs, grad_logits64, opts = _setup_backward(torch.bfloat16, "near-uniform", {}, seed=55)
+    stats = lse_forward(inputs["hidden"], inputs["weight"], inputs["bias"],
+                        inputs["row_order"], inputs["n_valid"], keep_logits=True)
+    main_grad = torch.randn(V, D, dtype=torch.float32)
+    before = main_grad.clone()
+    d_hidden, d_weight, _ = lce_backward_gemm(
+        **inputs, softcap=None, scratch_bytes=64 * 2**20, kept=stats.kept,
+        d_hidden_dtype=torch.float32, d_weight_accumulator=main_grad,
+    )
+    want = _expected_grads(inputs, grad_logits64)
+    assert d_weight is None and d_hidden.dtype == torch.float32
+    assert_close_rel(d_hidden, want["input"], 4e-3, name="dinput")
+    assert_close_rel(main_grad - before, want["weight"], 4e-3, name="dweight")

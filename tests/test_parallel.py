@@ -82,6 +82,12 @@ def _cases(world: int) -> list[dict]:
              filter_eps=None, label_smoothing=0.1, reduction="sum", smoothing_is_global=True),
         case("tiles-deterministic-bias", "cce", V, bias=True, backward="tiles",
              deterministic=True),
+        # The backward from the forward's kept logits: G against the global lse.
+        case("kept-logits-everything-sp", "cce", V_PADDED, vocab_size=V, sp=True, bias=True,
+             reduction="none", label_smoothing=0.1, softcap=3.0, z_loss=1e-3,
+             return_lse=True, recompute_logits=False),
+        case("kept-logits-bf16-accumulator", "cce", V, dtype=BF16, regime="near-uniform",
+             accumulate=True, recompute_logits=False),
     ]
     return cases
 

@@ -41,6 +41,12 @@ def _cases() -> list[dict]:
         case("bf16-sp-chunked-bias", "chunked", V, dtype=BF16, sp=True, bias=True),
         case("bf16-sp-accumulator-padding", "cce", V_PADDED, vocab_size=V, dtype=BF16, sp=True,
              accumulate=True),
+        # The backward from the forward's kept logits (16-bit exponentials on the GPU).
+        case("bf16-sp-kept-everything-padding", "cce", V_PADDED, vocab_size=V, dtype=BF16,
+             sp=True, bias=True, reduction="sum", label_smoothing=0.1, softcap=30.0,
+             z_loss=1e-4, return_lse=True, recompute_logits=False),
+        case("bf16-uniform-kept-accumulator", "cce", V, dtype=BF16, regime="near-uniform",
+             accumulate=True, recompute_logits=False),
     ]
 
 

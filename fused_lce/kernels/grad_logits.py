@@ -34,6 +34,7 @@ from .common import (
     tma_descriptor,
     use_tma,
 )
+from .lse_forward import KeptLogits, valid_rows
 
 
 @triton.heuristics(
@@ -134,6 +135,85 @@ def _grad_logits_kernel(
         softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
     tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
+
+
+@triton.heuristics(
+    {
+        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
+        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
+    }
+)
+@triton.jit
+def _grad_from_kept_kernel(
+    scaled_ptr,
+    tile_max_ptr,
+    row_valid_ptr,
+    target_ptr,
+    lse_ptr,
+    p_coef_ptr,
+    tgt_coef_ptr,
+    smooth_coef_ptr,
+    n_rows,
+    n_vocab,
+    stride_scaled,
+    stride_tile_max,
+    softcap,
+    KEPT_BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """G in place of the kept exponentials: the formula of ``grad_from_logits``, with the
+    probability read as scaled * exp(tile max - lse) instead of recomputed."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+    in_rows = rows < n_rows
+    col_mask = cols < n_vocab
+    row_mask = in_rows & (tl.load(row_valid_ptr + rows, mask=in_rows, other=0) != 0)
+    in_tile = row_mask[:, None] & col_mask[None, :]
+    # Ignored rows were never written: their garbage is masked out, and G there is 0.
+    scaled = tl.load(scaled_ptr + rows[:, None] * stride_scaled + cols[None, :],
+                     mask=in_tile, other=0.0).to(tl.float32)
+    tile_max = tl.load(tile_max_ptr + rows[:, None] * stride_tile_max
+                       + cols[None, :] // KEPT_BLOCK_V, mask=in_tile, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
+    tgt_coef = tl.load(tgt_coef_ptr + rows, mask=row_mask, other=0.0)
+
+    prob = tl.where(in_tile, scaled * tl.exp(tile_max - lse[:, None]), 0.0)
+    is_target = (cols[None, :] == target[:, None]) & in_tile
+    grad = p_coef[:, None] * prob - tl.where(is_target, tgt_coef[:, None], 0.0)
+    if HAS_SMOOTHING:
+        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+        grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
+    if HAS_SOFTCAP:
+        # The capped logit, back from its exponential; an exponential that underflowed to 0
+        # (a logit 87 below its row's max) has a capped logit at the cap's lower end.
+        logit = tile_max + tl.log(tl.maximum(scaled, 1e-38))
+        capped = tl.where(in_tile, tl.minimum(tl.maximum(logit / softcap, -1.0), 1.0), 0.0)
+        grad *= 1.0 - capped * capped
+    out = scaled_ptr + rows[:, None] * stride_scaled + cols[None, :]
+    # (Triton's interpreter carries the softcap's math in fp64 and mis-converts fp64 to 16 bits;
+    # on the GPU the fp32 cast is free.)
+    grad = grad.to(tl.float32).to(scaled_ptr.dtype.element_ty)
+    tl.store(out, grad, mask=in_rows[:, None] & col_mask[None, :])
+
+
+def grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap) -> torch.Tensor:
+    """Turn ``kept.scaled`` (N, V) into the logit gradient G in place and return it."""
+    n_rows, n_vocab = kept.scaled.shape
+    block_n, block_v = (64, 128) if INTERPRET else (32, 256)
+    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_vocab, block_v))
+    if n_rows > 0 and n_vocab > 0:
+        _grad_from_kept_kernel[grid](
+            kept.scaled, kept.tile_max, row_valid, target_local, lse,
+            coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef,
+            n_rows, n_vocab, kept.scaled.stride(0), kept.tile_max.stride(0), softcap,
+            KEPT_BLOCK_V=kept.block_v, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4,
+        )
+    return kept.scaled
 
 
 # Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu_h100_202611).
@@ -266,8 +346,12 @@ def lce_backward_gemm(
     d_hidden_dtype: torch.dtype | None = None,
     d_weight_accumulator: torch.Tensor | None = None,
     round_16bit: bool = False,
+    kept: KeptLogits | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
+
+    With ``kept`` (the forward's logits, ``recompute_logits=False``) G is formed in their
+    storage, all of it at once, and no logit is recomputed: see ``_backward_from_kept``.
 
     Arguments as for ``backward.lce_backward``; ``d_hidden_dtype`` (default: hidden's) lets a
     vocabulary shard hand its partial d_hidden to the all-reduce in fp32. With
@@ -291,6 +375,13 @@ def lce_backward_gemm(
         for grad in (d_hidden, d_weight):
             if grad is not None:
                 grad.zero_()
+        return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+
+    if kept is not None:
+        _backward_from_kept(
+            hidden, weight, target_local, row_order, n_valid, lse, coefs, softcap, kept,
+            d_hidden, d_weight, d_bias, d_weight_accumulator,
+        )
         return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
     # The per-token vectors (lse, coefficients, row order, targets, their temporaries: 64 bytes
@@ -505,3 +596,31 @@ def _backward_in_weight_buffer(
     for start, span in spans(0, top, layout.small_cols):
         g = g_chunk(small, start, span)
         torch.mm(g.t(), hidden, out=d_weight[start : start + span])
+
+
+def _backward_from_kept(
+    hidden, weight, target_local, row_order, n_valid, lse, coefs, softcap, kept,
+    d_hidden, d_weight, d_bias, d_weight_accumulator,
+):
+    """Three passes instead of four: G from the kept logits, then one GEMM for each gradient.
+
+    G covers every row in its own order (ignored rows are zero) and every column, so dE and dC
+    are single GEMMs that accumulate in fp32 inside cuBLAS and round once.
+    """
+    row_valid = valid_rows(row_order, n_valid)
+    g = grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap)
+    kept.scaled = None  # G now owns the storage; nothing reads it as logits again
+    if g.dtype != hidden.dtype:
+        g = g.to(hidden.dtype)  # the interpreter's fp32 G, rounded by torch as the GPU would
+    if d_hidden is not None:
+        if d_hidden.dtype == hidden.dtype:
+            torch.mm(g, weight, out=d_hidden)
+        else:
+            d_hidden.zero_()
+            _accumulate_mm(d_hidden, g, weight)
+    if d_weight_accumulator is not None:
+        _accumulate_mm(d_weight_accumulator, g.t(), hidden)
+    elif d_weight is not None:
+        torch.mm(g.t(), hidden, out=d_weight)
+    if d_bias is not None:
+        d_bias += g.sum(dim=0, dtype=torch.float32)

@@ -9,6 +9,10 @@ combines across ranks.
 Optional outputs, each behind a constexpr switch:
 - ``ROW_SUM``: the sum of a row's logits, for label smoothing.
 - ``COL_SUM``: per-column sums of logits over rows (atomic), whose order drives vocab sorting.
+- ``KEEP``: every logit, as exp(logit - the row's running max after its tile) in 16 bits, and
+  that max per row and tile (``recompute_logits=False``). The exponential is in [0, 1], so 16
+  bits hold it to their relative precision whatever the logit's size, and the backward turns it
+  into a probability with one multiply by exp(max - lse).
 
 Rows are read through ``row_order``: the non-ignored tokens first, ``n_valid`` of them, counted on
 the device. Programs whose rows are all ignored return at once, so ignored tokens cost nothing and
@@ -61,10 +65,9 @@ def _accumulate_tile(
         tl.atomic_add(col_sum_ptr + cols, col_total, mask=col_mask)
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-    row_sum_exp = row_sum_exp * tl.exp(row_max - new_max) + tl.sum(
-        tl.exp(logits - new_max[:, None]), axis=1
-    )
-    return new_max, row_sum_exp, row_sum
+    scaled = tl.exp(logits - new_max[:, None])
+    row_sum_exp = row_sum_exp * tl.exp(row_max - new_max) + tl.sum(scaled, axis=1)
+    return new_max, row_sum_exp, row_sum, scaled
 
 
 @triton.heuristics(
@@ -74,6 +77,7 @@ def _accumulate_tile(
         "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
         "ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
         "COL_SUM": lambda args: args["col_sum_ptr"] is not None,
+        "KEEP": lambda args: args["keep_ptr"] is not None,
     }
 )
 @triton.jit
@@ -89,6 +93,8 @@ def _lse_forward_kernel(
     sum_exp_ptr,
     row_sum_ptr,
     col_sum_ptr,
+    keep_ptr,
+    keep_max_ptr,
     # sizes
     n_rows,
     n_vocab,
@@ -100,6 +106,8 @@ def _lse_forward_kernel(
     stride_cv,
     stride_cd,
     stride_split,
+    stride_keep,
+    stride_keep_max,
     # scalars
     softcap,
     # meta-parameters
@@ -112,6 +120,7 @@ def _lse_forward_kernel(
     HAS_SOFTCAP: tl.constexpr,
     ROW_SUM: tl.constexpr,
     COL_SUM: tl.constexpr,
+    KEEP: tl.constexpr,
     ROUND: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -152,10 +161,16 @@ def _lse_forward_kernel(
                 stride_en, stride_ed, stride_cv, stride_cd,
                 BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
             )
-        row_max, row_sum_exp, row_sum = _accumulate_tile(
+        row_max, row_sum_exp, row_sum, scaled = _accumulate_tile(
             logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
             row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
         )
+        if KEEP:
+            keep_ptrs = keep_ptr + rows[:, None] * stride_keep + cols[None, :]
+            tl.store(keep_ptrs, scaled.to(keep_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
+            tile = (v_start + v_offset) // BLOCK_V
+            tl.store(keep_max_ptr + rows * stride_keep_max + tile, row_max, mask=row_mask)
 
     out = pid_split * stride_split + rows
     tl.store(max_ptr + out, row_max, mask=row_mask)
@@ -187,6 +202,19 @@ def forward_config(device: torch.device, dtype: torch.dtype, tma: bool = False) 
 
 
 @dataclass
+class KeptLogits:
+    """The forward's logits for a backward that does not recompute them (``KEEP``).
+
+    ``logit[n, v] = tile_max[n, v // block_v] + log(scaled[n, v])``, for rows that are not
+    ignored; ignored rows hold garbage. ``scaled`` becomes the logit gradient in place.
+    """
+
+    scaled: torch.Tensor  # (N, V), 16 bits (fp32 under the interpreter or for fp32 inputs)
+    tile_max: torch.Tensor  # (N, ceil(V / block_v)) fp32
+    block_v: int
+
+
+@dataclass
 class LSEStats:
     """Per-row statistics of one vocabulary shard; ignored rows hold max=-inf, sum_exp=0."""
 
@@ -194,6 +222,7 @@ class LSEStats:
     sum_exp: torch.Tensor  # (N,) fp32, sum of exp(logit - max)
     row_sum: torch.Tensor | None  # (N,) fp32, sum of logits (label smoothing)
     col_sum: torch.Tensor | None  # (V,) fp32, sum of logits over valid rows (vocab sorting)
+    kept: KeptLogits | None = None
 
     @property
     def lse(self) -> torch.Tensor:
@@ -211,6 +240,7 @@ def lse_forward(
     want_row_sum: bool = False,
     want_col_sum: bool = False,
     round_16bit: bool = False,
+    keep_logits: bool = False,
 ) -> LSEStats:
     """Max and sum-exp per row of ``softcap(hidden @ weight.T + bias)`` over this weight's rows.
 
@@ -222,6 +252,8 @@ def lse_forward(
         n_valid: () int32 on the device, the number of non-ignored rows.
         round_16bit: round each logit to the 16-bit input dtype before anything else
             (``LCEOptions.round_logits``).
+        keep_logits: also return the logits as :class:`KeptLogits`
+            (``LCEOptions.recompute_logits=False``).
     """
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
@@ -246,6 +278,14 @@ def lse_forward(
         torch.zeros((splits, n_rows), device=device, dtype=torch.float32) if want_row_sum else None
     )
     col_sum = torch.zeros((n_vocab,), device=device, dtype=torch.float32) if want_col_sum else None
+    kept = None
+    if keep_logits:
+        kept = KeptLogits(
+            scaled=torch.empty((n_rows, n_vocab), device=device, dtype=kept_dtype(hidden)),
+            tile_max=torch.empty((n_rows, max(vocab_blocks, 1)), device=device,
+                                 dtype=torch.float32),
+            block_v=cfg.block_v,
+        )
 
     if n_rows > 0 and n_vocab > 0:
         grid = (row_blocks, splits)
@@ -259,13 +299,16 @@ def lse_forward(
         if tma:
             e_arg = tma_descriptor(hidden, cfg.block_n, cfg.block_d)
             c_arg = tma_descriptor(weight, cfg.block_v, cfg.block_d)
-            row_valid = _valid_rows(row_order, n_valid)
+            row_valid = valid_rows(row_order, n_valid)
         _lse_forward_kernel[grid](
             e_arg, c_arg, bias, row_order, n_valid, row_valid,
             part_max, part_sum_exp, part_row_sum, col_sum,
+            None if kept is None else kept.scaled, None if kept is None else kept.tile_max,
             n_rows, n_vocab, d_model, vocab_per_split,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             part_max.stride(0),
+            0 if kept is None else kept.scaled.stride(0),
+            0 if kept is None else kept.tile_max.stride(0),
             softcap,
             USE_TMA=tma,
             **common,
@@ -278,10 +321,16 @@ def lse_forward(
         scale = torch.exp(part_max - row_max.clamp_min(torch.finfo(torch.float32).min))
         sum_exp = (part_sum_exp * scale).sum(dim=0)
     row_sum = None if part_row_sum is None else part_row_sum.sum(dim=0)
-    return LSEStats(row_max, sum_exp, row_sum, col_sum)
+    return LSEStats(row_max, sum_exp, row_sum, col_sum, kept)
 
 
-def _valid_rows(row_order: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+def kept_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The kept exponentials' dtype: the input's, but fp32 under Triton's interpreter, which
+    truncates to 16 bits instead of rounding."""
+    return torch.float32 if INTERPRET else hidden.dtype
+
+
+def valid_rows(row_order: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     """(N,) int8, 1 where the row is not ignored: ``row_order``'s first ``n_valid`` rows."""
     positions = torch.arange(row_order.shape[0], device=row_order.device)
     valid = torch.empty(row_order.shape, device=row_order.device, dtype=torch.int8)
