@@ -614,6 +614,45 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     assert torch.count_nonzero(d_hidden[~valid]) == 0
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_kept_logits_with_vocabulary_splits(monkeypatch, splits):
+    """On a GPU the forward splits each row's vocabulary over programs (the interpreter does
+    not by itself); the last split runs past the vocabulary when the tiles do not divide evenly
+    (3 tiles over 2 splits of 2; 3 over 3 of 1 for contrast). Its empty tiles must keep no max:
+    writing one spilled into the next row's maxima (found on 2 x H200)."""
+    import fused_lce.kernels.lse_forward as forward
+
+    monkeypatch.setattr(forward, "vocab_splits", lambda *args: splits)
+    inputs, _, _ = _setup_backward(torch.float32, "peaked", {}, seed=57)
+    order, n_valid = inputs["row_order"], inputs["n_valid"]
+    n_tiles = -(-V // 128)  # the interpreter's BLOCK_V
+    kept = forward.lse_forward(inputs["hidden"], inputs["weight"], inputs["bias"], order,
+                               n_valid, keep_logits=True).kept
+    # One spare column of maxima per row, preset: a write past the last tile lands there.
+    sentinel = torch.full((N, n_tiles + 1), 123.0)
+    monkeypatch.setattr(forward.torch, "empty", _empty_returning(sentinel, (N, n_tiles)))
+    kept = forward.lse_forward(inputs["hidden"], inputs["weight"], inputs["bias"], order,
+                               n_valid, keep_logits=True).kept
+    assert torch.all(sentinel[:, n_tiles] == 123.0)
+    valid = forward.valid_rows(order, n_valid) != 0
+    logits64 = _logits64(inputs["hidden"], inputs["weight"], inputs["bias"], None)
+    rebuilt = kept.tile_max[:, torch.arange(V) // kept.block_v] + torch.log(kept.scaled)
+    assert rel_err(rebuilt[valid], logits64[valid]) < 2e-6
+
+
+def _empty_returning(storage, shape):
+    """torch.empty that hands out a view of ``storage`` for ``shape`` (fp32), else as usual."""
+    real = torch.empty
+
+    def empty(*size, **kwargs):
+        wanted = tuple(size[0]) if len(size) == 1 and isinstance(size[0], tuple) else size
+        if wanted == shape and kwargs.get("dtype") == torch.float32:
+            return storage[:, : shape[1]]
+        return real(*size, **kwargs)
+
+    return empty
+
+
 def test_backward_from_kept_logits_into_fp32_partials():
     """The vocab-parallel shapes of the call: an fp32 partial d_hidden and Megatron's fp32
     main_grad as the weight gradient's accumulator."""

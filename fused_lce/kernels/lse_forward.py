@@ -169,8 +169,10 @@ def _lse_forward_kernel(
             keep_ptrs = keep_ptr + rows[:, None] * stride_keep + cols[None, :]
             tl.store(keep_ptrs, scaled.to(keep_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & col_mask[None, :])
+            # The last split may run past the vocabulary: its empty tiles have no max to keep.
             tile = (v_start + v_offset) // BLOCK_V
-            tl.store(keep_max_ptr + rows * stride_keep_max + tile, row_max, mask=row_mask)
+            tl.store(keep_max_ptr + rows * stride_keep_max + tile, row_max,
+                     mask=row_mask & (v_start + v_offset < n_vocab))
 
     out = pid_split * stride_split + rows
     tl.store(max_ptr + out, row_max, mask=row_mask)
@@ -264,11 +266,7 @@ def lse_forward(
 
     row_blocks = triton.cdiv(n_rows, cfg.block_n)
     vocab_blocks = triton.cdiv(n_vocab, cfg.block_v)
-    # Enough programs for about four waves, without splitting below a few tiles per program.
-    wanted_splits = triton.cdiv(4 * num_sms(device), max(row_blocks, 1))
-    splits = max(1, min(wanted_splits, triton.cdiv(vocab_blocks, 4)))
-    if INTERPRET:
-        splits = 1
+    splits = vocab_splits(row_blocks, vocab_blocks, device)
     vocab_per_split = triton.cdiv(vocab_blocks, splits) * cfg.block_v
     splits = triton.cdiv(n_vocab, vocab_per_split)
 
@@ -322,6 +320,15 @@ def lse_forward(
         sum_exp = (part_sum_exp * scale).sum(dim=0)
     row_sum = None if part_row_sum is None else part_row_sum.sum(dim=0)
     return LSEStats(row_max, sum_exp, row_sum, col_sum, kept)
+
+
+def vocab_splits(row_blocks: int, vocab_blocks: int, device: torch.device) -> int:
+    """How many programs share a row block's vocabulary: enough programs for about four waves,
+    without splitting below a few tiles per program (1 under the interpreter)."""
+    if INTERPRET:
+        return 1
+    wanted = triton.cdiv(4 * num_sms(device), max(row_blocks, 1))
+    return max(1, min(wanted, triton.cdiv(vocab_blocks, 4)))
 
 
 def kept_dtype(hidden: torch.Tensor) -> torch.dtype:
