@@ -103,6 +103,10 @@ def install(model=None, **options):
     unknown = set(options) - set(_OPTION_NAMES)
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; expected some of {_OPTION_NAMES}")
+    # Bad values fail here, at install, rather than at the first training step.
+    from fused_lce.options import LCEOptions
+
+    LCEOptions(**{k: v for k, v in options.items() if k != "vocab_size"})
     if model is None:
         try:
             from megatron.core.models.gpt import GPTModel

@@ -192,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cce-round-logits", action="store_true",
                    help="round each logit to bf16 before the softmax, as the native path's "
                    "bf16 output layer does (default: exact fp32 logits)")
+    g.add_argument("--cce-keep-logits", action="store_true",
+                   help="keep the logits from the forward (2 bytes a logit, as 16-bit "
+                   "exponentials) so the backward does not recompute them: faster where the "
+                   "hidden size is large, at a bf16 logits tensor's memory "
+                   "(recompute_logits=False)")
 
     g = p.add_argument_group("evaluation and probes")
     g.add_argument("--valid-data-path", default=None,
@@ -252,6 +257,8 @@ def cce_options(args) -> dict:
         options["filter_eps"] = None if args.cce_filter_eps == "none" else args.cce_filter_eps
     if args.cce_round_logits:
         options["round_logits"] = True
+    if args.cce_keep_logits:
+        options["recompute_logits"] = False
     return options
 
 
@@ -339,11 +346,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check_eval_and_probes(args) -> None:
-    if not args.uses_cce and (args.cce_round_logits or any(
+    if not args.uses_cce and (args.cce_round_logits or args.cce_keep_logits or any(
             v is not None for v in (args.cce_impl, args.cce_backward, args.cce_filter_eps))):
-        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps / --cce-round-logits act "
-                         "on fused_lce's op: "
+        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps / --cce-round-logits / "
+                         "--cce-keep-logits act on fused_lce's op: "
                          "use them with --cross-entropy-fusion-impl cce or linear")
+    if args.cce_keep_logits and args.cce_backward == "tiles":
+        raise SystemExit("--cce-keep-logits needs the gemm backward (the tiles backward always "
+                         "recomputes the logits): drop --cce-backward tiles")
     for flag in ("eval_interval", "eval_iters", "probe_interval"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

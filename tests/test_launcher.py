@@ -393,7 +393,14 @@ def test_cce_option_flags():
     args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-round-logits",
                                     "--dry-run"])
     assert pretrain_gpt.cce_options(args) == {"round_logits": True}
-    for flags in (["--cce-backward", "tiles"], ["--cce-impl", "chunked"], ["--cce-round-logits"]):
+    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
+                                    "--dry-run"])
+    assert pretrain_gpt.cce_options(args) == {"recompute_logits": False}
+    with pytest.raises(SystemExit, match="--cce-keep-logits needs the gemm backward"):
+        pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
+                                 "--cce-backward", "tiles", "--dry-run"])
+    for flags in (["--cce-backward", "tiles"], ["--cce-impl", "chunked"], ["--cce-round-logits"],
+                  ["--cce-keep-logits"]):
         with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
             pretrain_gpt.parse_args([*flags, "--dry-run"])
     with pytest.raises(SystemExit):

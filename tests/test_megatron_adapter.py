@@ -141,6 +141,13 @@ def test_unknown_option_is_refused():
         lce_megatron.install(nn.Linear(2, 2), temperature=2.0)
 
 
+def test_bad_option_value_is_refused_at_install():
+    with pytest.raises(ValueError, match="recompute_logits=False needs backward"):
+        lce_megatron.install(nn.Linear(2, 2), recompute_logits=False, backward="tiles")
+    with pytest.raises(ValueError, match="softcap must be"):
+        lce_megatron.install(nn.Linear(2, 2), softcap=-1.0)
+
+
 def test_gradient_goes_into_main_grad(group):
     torch.manual_seed(0)
     plain, fused = FakeGPT(group), FakeGPT(group)
