@@ -17,7 +17,7 @@ from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_co
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
-from .options import LCEOptions
+from .options import LCEOptions, without_backward_options
 from .terms import (
     GradCoefficients,
     grad_coefficients,
@@ -288,4 +288,5 @@ def cce_linear_cross_entropy(
     if opts.num_classes is not None:
         weight = weight[: opts.num_classes]
         bias = None if bias is None else bias[: opts.num_classes]
+    opts = without_backward_options(opts, hidden, weight, bias)
     return CCEFunction.apply(hidden, weight, bias, target, opts)

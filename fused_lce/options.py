@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -222,6 +222,15 @@ class LCEOptions:
         if spec == "paper":
             return "entry", filter_budget(dtype)
         return "entry", float(spec)
+
+
+def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> LCEOptions:
+    """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
+    that wants a gradient): an evaluation pass then keeps no logits."""
+    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if wanted or opts.recompute_logits:
+        return opts
+    return replace(opts, recompute_logits=True)
 
 
 def _check_float(name: str, value: object) -> None:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fused_lce.api import check_target_range, resolve_impl, validate
-from fused_lce.options import LCEOptions
+from fused_lce.options import LCEOptions, without_backward_options
 from fused_lce.terms import (
     GradCoefficients,
     grad_coefficients,
@@ -177,6 +177,7 @@ def vocab_parallel_linear_cross_entropy(
             f"{weight_grad_accumulator.dtype} {tuple(weight_grad_accumulator.shape)}"
         )
     local_classes = max(0, min(weight.shape[0], num_classes - start))
+    opts = without_backward_options(opts, input, weight, bias)
     loss, lse = _VocabParallelLCE.apply(
         input, weight, bias, target, opts, group, start, local_classes, num_classes,
         sequence_parallel, weight_grad_accumulator,

@@ -304,3 +304,23 @@ def test_kept_logits_skip_the_recompute(monkeypatch):
     assert hidden.grad is not None and torch.isfinite(hidden.grad.float()).all()
     with pytest.raises(AssertionError, match="recomputed"):
         linear_cross_entropy(hidden, weight, target, impl="cce").backward()
+
+
+def test_evaluation_keeps_no_logits(monkeypatch):
+    """Without a backward to come (no grad mode, or no input wanting a gradient) the forward
+    keeps nothing, whatever recompute_logits says."""
+    import fused_lce.function as function
+
+    asked = []
+    statistics = function.shard_statistics
+    monkeypatch.setattr(function, "shard_statistics",
+                        lambda *a, **k: asked.append(function.keeps_logits(a[5])) or
+                        statistics(*a, **k))
+    hidden, weight, target, _ = make_problem(40, 300, 24, BF16, "peaked", 0.1, seed=58)
+    with torch.no_grad():
+        linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce",
+                             recompute_logits=False)
+    linear_cross_entropy(hidden.detach(), weight, target, impl="cce", recompute_logits=False)
+    linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce",
+                         recompute_logits=False)
+    assert asked == [False, False, True]
