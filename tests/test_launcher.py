@@ -336,17 +336,23 @@ def test_resume_continues_bitwise(tmp_path):
     assert resumed == {k: straight[k] for k in (3, 4)}, (straight, resumed)
 
 
+def _fits_up_to(threshold: int):
+    """(fits, calls): a ``fits`` that accepts sizes up to ``threshold`` and records each size."""
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        return size <= threshold
+
+    return fits, calls
+
+
 @pytest.mark.parametrize("limit", [1, 6, 32])
 def test_max_micro_batch_search_finds_the_threshold(limit):
     import max_micro_batch
 
     for threshold in range(0, 40):
-        calls = []
-
-        def fits(size, threshold=threshold, calls=calls):
-            calls.append(size)
-            return size <= threshold
-
+        fits, calls = _fits_up_to(threshold)
         best, tried = max_micro_batch.sizes_to_try(fits, limit)
         assert best == min(threshold, limit), (threshold, tried)
         assert len(calls) == len(set(calls)) and max(calls) <= limit
@@ -358,12 +364,7 @@ def test_max_micro_batch_search_follows_a_prediction(error):
     import max_micro_batch
 
     for threshold in range(0, 80):
-        calls = []
-
-        def fits(size, threshold=threshold, calls=calls):
-            calls.append(size)
-            return size <= threshold
-
+        fits, calls = _fits_up_to(threshold)
         best, tried = max_micro_batch.sizes_to_try(fits, 64, lambda good, t=threshold: t + error)
         assert best == min(threshold, 64), (threshold, tried)
         assert len(calls) == len(set(calls)) and max(calls) <= 64
