@@ -1,9 +1,17 @@
-"""Install fused_lce.
+"""Install fused_lce (the op) and lce_train (our launcher and studies around it).
 
 The repository keeps the single-device code in ``fused_lce/`` and everything that talks to other
 ranks in the top-level ``parallel/`` folder. Installed, ``parallel/`` becomes the subpackage
-``fused_lce.parallel``, so users import one package. ``package_dir`` does that mapping; the
-package list is written out so that nothing else (tests, scripts) lands in site-packages.
+``fused_lce.parallel``, so users import one package for the op; nothing in it imports megatron at
+import time or reaches for the training code.
+
+``lce_train`` is a second top-level package: the megatron-core launcher, its CPU shims, the
+pipeline-memory study, the gradient probes and the model configs. Its code lives in
+``scripts/lce_train/`` beside the thin command lines over it (``scripts/*.py``), and its configs
+in the top-level ``configs/`` folder, installed as the subpackage ``lce_train.configs`` with the
+YAML files as package data, so a wheel finds them. ``package_dir`` does both mappings; the
+package list is written out so that nothing else (tests, the scripts themselves) lands in
+site-packages.
 """
 
 from setuptools import setup
@@ -14,8 +22,11 @@ setup(
     description="Fused linear + cross-entropy for LLM training: Triton kernels, PyTorch "
     "fallbacks and a vocab-parallel layer",
     python_requires=">=3.10",
-    packages=["fused_lce", "fused_lce.kernels", "fused_lce.parallel"],
-    package_dir={"fused_lce": "fused_lce", "fused_lce.parallel": "parallel"},
+    packages=["fused_lce", "fused_lce.kernels", "fused_lce.parallel", "lce_train",
+              "lce_train.configs"],
+    package_dir={"fused_lce": "fused_lce", "fused_lce.parallel": "parallel",
+                 "lce_train": "scripts/lce_train", "lce_train.configs": "configs"},
+    package_data={"lce_train.configs": ["models/*.yaml", "experiments/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

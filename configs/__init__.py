@@ -1,8 +1,9 @@
 """Model shapes from configs/models/*.yaml, mapped one to one onto :class:`ModelConfig`.
 
 The benchmarks, the launcher and the pipeline-memory study all read shapes from here, so a
-model is described once. A name resolves to ``configs/models/<name>.yaml`` in the source tree;
-a path is read as it is.
+model is described once. This folder is installed as ``lce_train.configs`` with its YAML files
+as package data, so the loader sits beside the files it reads, in a checkout and in a wheel
+alike. A name resolves to ``models/<name>.yaml`` here; a path is read as it is.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.configs import load_model_config  # noqa: E402
+from lce_train.configs import load_model_config  # noqa: E402
 
 MIB = 2**20
 

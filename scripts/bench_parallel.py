@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 scripts/bench_parallel.py --models gemma2_2b llama3_8b \
         --tokens 8192 --out docs/benchmarks/parallel_run.csv
 
-For every model shape (``fused_lce.configs``), number of tokens per TP group, TP size (default: 1
+For every model shape (``lce_train.configs``), number of tokens per TP group, TP size (default: 1
 and the world size), sequence parallelism (off and on; TP=1 runs without) and provider it
 measures, per rank, in bf16:
 
@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fused_lce.configs import known_models, load_model_config  # noqa: E402
+from lce_train.configs import known_models, load_model_config  # noqa: E402
 
 MIB = 2**20
 LEAN_SCRATCH_MB = 12

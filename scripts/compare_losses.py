@@ -3,10 +3,11 @@
 
     python scripts/compare_losses.py
 
-runs scripts/pretrain_gpt.py's training loop on the tiny config with TP=2 over gloo (two CPU
-processes; NCCL and one process per GPU where CUDA is present), once per loss implementation, in
-one torchrun job, from the same seed and data, and prints the per-step losses with their largest
-relative difference. It exits non-zero when that exceeds ``--tol``. About 15 s on two cores.
+runs the training loop of scripts/pretrain_gpt.py (lce_train.training) on the tiny config with
+TP=2 over gloo (two CPU processes; NCCL and one process per GPU where CUDA is present), once per
+loss implementation, in one torchrun job, from the same seed and data, and prints the per-step
+losses with their largest relative difference. It exits non-zero when that exceeds ``--tol``.
+About 15 s on two cores.
 
 The implementations:
 
@@ -30,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 IMPL_FLAGS = {
     "cce": ["--cross-entropy-fusion-impl", "cce"],
@@ -120,8 +119,10 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:
         return relaunch(_without_nproc(argv), args.nproc)
 
-    import pretrain_gpt
     import torch
+
+    from lce_train.arguments import describe, parse_args
+    from lce_train.training import train
 
     losses: dict[str, list[float]] = {}
     grad_norms: dict[str, list[float]] = {}  # of all parameters' gradients, before clipping
@@ -129,16 +130,16 @@ def main(argv=None) -> int:
     plan = None
     for impl in args.impls:
         flags = DEFAULTS + ["--train-iters", str(args.steps)] + launcher_flags + IMPL_FLAGS[impl]
-        run_args = pretrain_gpt.parse_args(flags)
+        run_args = parse_args(flags)
         plan = plan or run_args
-        history = pretrain_gpt.train(run_args, log=lambda *a, **k: None)
+        history = train(run_args, log=lambda *a, **k: None)
         if history:
             losses[impl] = [r["loss"] for r in history]
             grad_norms[impl] = [r["grad_norm"] for r in history]
             steps = [r["step"] for r in history]
     status = 0
     if losses:  # the reporting rank: last pipeline stage, TP rank 0, DP rank 0
-        print(pretrain_gpt.describe(plan).split("\n")[0])
+        print(describe(plan).split("\n")[0])
         print(f"parallel    TP {plan.tensor_model_parallel_size} x PP "
               f"{plan.pipeline_model_parallel_size} x DP {plan.data_parallel_size}"
               f"{', SP' if plan.sequence_parallel else ''}, {plan.distributed_backend}, "

@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.configs import load_model_config  # noqa: E402
 from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
 from fused_lce.kernels.common import ENV_TMA  # noqa: E402
+from lce_train.configs import load_model_config  # noqa: E402
 
 
 def kernel_intervals(prof) -> list[tuple[float, float, str]]:

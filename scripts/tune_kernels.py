@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fused_lce.configs import load_model_config  # noqa: E402
 from fused_lce.function import grad_coefficients, prepare_rows  # noqa: E402
 from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
 from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
 from fused_lce.kernels.common import ENV_TMA, TileConfig  # noqa: E402
 from fused_lce.options import LCEOptions  # noqa: E402
+from lce_train.configs import load_model_config  # noqa: E402
 
 CANDIDATES = [
     TileConfig(128, 256, 64, 8, 3),

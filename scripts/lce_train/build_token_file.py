@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Build a token file for scripts/pretrain_gpt.py --data-path from text already on this machine.
 
     python scripts/build_token_file.py --out data/stdlib                  # Python's stdlib, bytes
@@ -51,7 +50,6 @@ import json
 import lzma
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,7 +379,3 @@ def main(argv=None) -> int:
               f"{text_bytes / 2**20:.1f} MiB of text, {args.tokenizer} tokenizer, vocabulary "
               f"{meta['vocab_size']} ({n / max(1, text_bytes):.3f} tokens/byte)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

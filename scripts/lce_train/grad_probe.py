@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import linear_cross_entropy
-from .reference import softcap_fn
+from fused_lce import linear_cross_entropy
+from fused_lce.reference import softcap_fn
 
 PAPER_EPS = 2.0**-12
 """The CCE paper's per-entry threshold in bf16 (finfo(bfloat16).eps / 32)."""

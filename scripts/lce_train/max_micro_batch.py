@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The largest micro-batch that trains without running out of GPU memory, for one launcher setup.
 
     torchrun --nproc-per-node 4 scripts/max_micro_batch.py --config gemma2_like --bf16 \
@@ -28,16 +27,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import pretrain_gpt  # noqa: E402
+from lce_train.arguments import parse_args as parse_launcher_args
+from lce_train.data import TokenWindows
+from lce_train.model import forward_step, init_distributed, quiet_known_warnings, supported_kwargs
+from lce_train.training import build_training
 
 
 def parse_args(argv=None):
@@ -46,7 +44,7 @@ def parse_args(argv=None):
                      help="the largest size tried (default: 1024)")
     own.add_argument("--out", type=Path, default=None, help="JSON result (reporting rank)")
     mine, rest = own.parse_known_args(argv)
-    args = pretrain_gpt.parse_args([*rest, "--micro-batch-size", "1", "--train-iters", "1"])
+    args = parse_launcher_args([*rest, "--micro-batch-size", "1", "--train-iters", "1"])
     if args.pipeline_model_parallel_size != 1:
         raise SystemExit("max_micro_batch.py: PP must be 1 (see the module docstring)")
     if args.data_parallel_size != 1:
@@ -91,20 +89,19 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from megatron.core import parallel_state
 
-    from fused_lce.parallel.megatron_cpu import enable_cpu_mode
+    from lce_train.megatron_cpu import enable_cpu_mode
 
-    pretrain_gpt._quiet_known_warnings()
+    quiet_known_warnings()
     enable_cpu_mode()
-    pretrain_gpt.init_distributed(args)
-    model, _, optimizer, _ = pretrain_gpt.build_training(args)
+    init_distributed(args)
+    model, _, optimizer, _ = build_training(args)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     reporter = torch.distributed.get_rank() == 0
-    data = pretrain_gpt.TokenWindows(args.seq_length, args.model.vocab_size, args.seed,
-                                     args.data_path)
+    data = TokenWindows(args.seq_length, args.model.vocab_size, args.seed, args.data_path)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     def step(micro_batch: int, update: bool) -> None:
@@ -112,8 +109,8 @@ def main(argv=None) -> None:
             micro_batch, 1
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(**pretrain_gpt._supported_kwargs(
-            forward_backward, forward_step_func=pretrain_gpt._forward_step,
+        forward_backward(**supported_kwargs(
+            forward_backward, forward_step_func=forward_step,
             data_iterator=data.microbatches(1, args, dp_rank, device), model=[model],
             num_microbatches=1, seq_length=args.seq_length, micro_batch_size=micro_batch,
             decoder_seq_length=args.seq_length, forward_only=False))
@@ -191,7 +188,3 @@ def main(argv=None) -> None:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

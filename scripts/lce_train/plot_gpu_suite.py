@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Plots and tables for the results of scripts/gpu_suite.sh (run on the CPU, after the GPU run).
 
     python scripts/plot_gpu_suite.py parallel docs/benchmarks/vocab_parallel_h200x4_202611
@@ -9,7 +8,7 @@ parallel   bench_parallel.csv -> time_and_memory.png, and a markdown table on st
 megatron   megatron_<layout>_<impl>.jsonl -> loss_curves.png, and per layout: final loss, mean
            and largest per-step loss difference, median step time, peak memory per stage
 pp-memory  pp_<model>_measured.csv -> predicted_vs_measured.csv/.png: each measured stage beside
-           what fused_lce.pp_memory predicts now (the CSVs' own predictions are those of the model
+           what lce_train.pp_memory predicts now (the CSVs' own predictions are those of the model
            when the run was made)
 """
 
@@ -20,13 +19,10 @@ import csv
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fused_lce import pp_memory as pm  # noqa: E402
-from fused_lce.configs import load_model_config  # noqa: E402
+from lce_train import pp_memory as pm
+from lce_train.configs import load_model_config
 
 
 def _pyplot():
@@ -197,7 +193,7 @@ def pp_memory(folder: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(out)), 5))
     x = range(len(out))
-    ax.bar([i - 0.2 for i in x], predicted, 0.4, label="predicted (fused_lce.pp_memory)")
+    ax.bar([i - 0.2 for i in x], predicted, 0.4, label="predicted (lce_train.pp_memory)")
     ax.bar([i + 0.2 for i in x], measured, 0.4, label="measured (max_memory_allocated)")
     ax.set_xticks(list(x), labels, rotation=75, fontsize=7)
     ax.set(ylabel="peak GiB per GPU", title="pipeline stages: predicted vs measured, 4 x H200")

@@ -81,7 +81,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from fused_lce.configs import ModelConfig
+from lce_train.configs import ModelConfig
 
 GIB = 2**30
 MIB = 2**20

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Pipeline-stage memory balance with megatron's loss (``native``) and with Cut Cross-Entropy.
 
-Predicts each pipeline stage's peak memory for a model and a layout (fused_lce.pp_memory: the
+Predicts each pipeline stage's peak memory for a model and a layout (lce_train.pp_memory: the
 terms and every assumption are in its docstring and docs/pp_memory_balance.md), recommends the
 layer split that minimises the largest stage for each loss, and says what cce buys at the same
 memory: fewer stages, a longer sequence, a larger micro-batch. Prints a table and optionally
@@ -25,16 +24,16 @@ import dataclasses
 import json
 import shlex
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from fused_lce import pp_memory as pm
-from fused_lce.configs import known_models, load_model_config
+from lce_train import pp_memory as pm
+from lce_train.configs import known_models, load_model_config
 
 LOSSES = ("native", "cce")
-ROOT = Path(__file__).resolve().parent.parent
+# --measure starts the launcher's command line from a checkout (scripts/lce_train/ -> its root).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +274,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"layout: {err}") from None
     rows, recs = study(cfg, lay, split)
     title = describe(cfg, lay)
-    print(title + "  (predicted; fused_lce.pp_memory)")
+    print(title + "  (predicted; lce_train.pp_memory)")
     print(format_table(rows))
     print()
     for loss, rec in recs.items():
@@ -311,7 +310,3 @@ def main(argv=None) -> None:
                 path = str(Path(args.csv).with_suffix("")) + "_measured.csv"
                 write_csv(measured, path)
                 print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

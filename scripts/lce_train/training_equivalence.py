@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The training-equivalence experiment: does pretraining from scratch with fused_lce's loss
 train like megatron's own? (issue 7; results and the recipe in docs/training_equivalence.md)
 
@@ -53,8 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "configs" / "experiments" / "training_equivalence.yaml"
+from lce_train.configs import CONFIG_DIR
+
+# The runs start the launcher's command line from a checkout (scripts/lce_train/ -> its root).
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = CONFIG_DIR / "experiments" / "training_equivalence.yaml"
 LAUNCHER = ROOT / "scripts" / "pretrain_gpt.py"
 DEFAULT_BASE_PORT = 29610
 TAIL_FRACTION = 0.05  # the final train loss averages the last 5% of steps
@@ -167,7 +169,7 @@ def launcher_flags(exp: Experiment, job: Job, steps: int, data: dict[str, tuple[
 def prepare_data(exp: Experiment, corpora: list[str], data_dir: Path,
                  cache: Path) -> dict[str, tuple[str, str]]:
     """(train, valid) prefixes of each file corpus, unpacking .bin.xz files into ``cache``."""
-    import build_token_file
+    from lce_train import build_token_file
 
     out = {}
     for name in corpora:
@@ -791,7 +793,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,23 @@
+"""lce_train: our megatron-core launcher and the studies around fused_lce (not the op itself).
+
+The op is ``fused_lce`` (with ``fused_lce.parallel``); this package trains with it and measures
+it. It may import the op; the op never imports it. megatron-core (``pip install .[megatron]``) is
+imported inside the functions that need it, so every module here imports without it.
+
+The launcher (scripts/pretrain_gpt.py), in the order a run goes through it:
+    arguments            flags, the resolved plan and ``--dry-run``'s description
+    data                 seeded random windows of mock tokens or a token file
+    model                parallel groups, the GPTModel of a stage, the schedule's step function
+    optimizer            learning-rate schedule, megatron's optimizer or plain AdamW
+    checkpoint           per-rank save and resume
+    evaluation           validation loss and the gradient probes' hooks
+    training             the loop and ``main``
+    megatron_cpu         megatron-core on the CPU (gloo): a test shim, never part of the op
+    megatron_attention   SDPA core attention for megatron-core's local layers
+    megatron_norms       RMSNorm / LayerNorm for megatron-core's local layers
+Studies and tools (each the library of the script of the same name in scripts/):
+    configs              model shapes (the top-level configs/ folder, YAML as package data)
+    pp_memory            the per-stage pipeline memory model
+    grad_probe           the loss layer's gradient error against an fp32 reference
+    pp_memory_balance, max_micro_batch, training_equivalence, build_token_file, plot_gpu_suite
+"""

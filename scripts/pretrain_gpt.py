@@ -1,0 +1,53 @@
+#!/usr/bin/env python
+"""Pretrain a GPT on megatron-core with the vocab-parallel Cut Cross-Entropy loss.
+
+A self-contained pretraining entry for users of megatron-core without Megatron-LM: tensor,
+sequence, pipeline (1F1B) and data parallelism from megatron-core, the model shape from
+``configs/models/<name>.yaml``, Megatron's flag names, and the loss layer chosen with
+``--cross-entropy-fusion-impl {native,te,cce,linear}``; ``cce`` and ``linear`` compute the loss
+with fused_lce's vocab-parallel op and never build the logits (``fused_lce.parallel.megatron``
+installs it on the model).
+
+Single node (8 GPUs, NCCL):
+
+    torchrun --nproc-per-node 8 scripts/pretrain_gpt.py --config llama3_8b \\
+        --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \\
+        --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \\
+        --micro-batch-size 1 --global-batch-size 64 --seq-length 4096 --bf16 \\
+        --cross-entropy-fusion-impl cce --mock-data --train-iters 100
+
+Multi-node (run the same line on every node; c10d rendezvous assigns ranks):
+
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\
+        --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id my-job \\
+        scripts/pretrain_gpt.py --config llama3_8b ...
+
+CPU (gloo; megatron-core's CUDA-only calls are redirected by lce_train.megatron_cpu):
+
+    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --config tiny \\
+        --tensor-model-parallel-size 2 --cross-entropy-fusion-impl cce --mock-data --train-iters 5
+
+``--dry-run`` prints the resolved configuration and layout and builds nothing (no torchrun
+needed; ``--world-size`` says how many ranks to plan for). ``scripts/pretrain_gpt.sh`` wraps
+the torchrun lines; ``scripts/compare_losses.py`` runs ``cce`` beside ``native``. The code is
+the ``lce_train`` package (flags in ``lce_train.arguments``, the loop in ``lce_train.training``).
+
+The backend is NCCL on CUDA and gloo on the CPU. Every rank that holds the last pipeline stage
+computes the loss; tensor-parallel rank 0 of data-parallel rank 0 there prints one line per step:
+step, loss, learning rate, tokens/s, step time and the peak memory of every pipeline stage
+(``torch.cuda.max_memory_allocated`` on GPUs, the process's peak RSS on the CPU).
+
+Checkpoints (``--save DIR --save-interval K``, ``--load DIR``) are one ``torch.save`` file per
+rank holding the model, the optimizer, the RNG states and the step; a resumed run continues the
+same loss curve (bitwise on the CPU). Data come from ``--mock-data`` (seeded synthetic token
+sequences) or ``--data-path PREFIX`` (a flat token file ``PREFIX.bin`` with ``PREFIX.json``
+from scripts/build_token_file.py), sampled as seeded random windows: the batch of step k
+depends only on the seed and k, so a resumed run sees the same data.
+"""
+
+import sys
+
+from lce_train.training import main
+
+if __name__ == "__main__":
+    sys.exit(main())
