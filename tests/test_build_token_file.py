@@ -14,9 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import build_token_file as btf  # noqa: E402
+from lce_train import build_token_file as btf
 
 WORDS = ("alpha", "beta", "gamma", "delta", "kernel", "tensor", "vocab", "softmax", "gradient",
          "layer", "token", "shard")

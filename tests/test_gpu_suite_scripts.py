@@ -1,7 +1,7 @@
 """The scripts behind the 4-GPU reports, on the CPU: scripts/bench_parallel.py (--cpu-smoke),
 scripts/max_micro_batch.py and scripts/plot_gpu_suite.py on the committed GPU results.
 
-The last also holds fused_lce.pp_memory to the peaks measured on 4 x H200: a change to the model
+The last also holds lce_train.pp_memory to the peaks measured on 4 x H200: a change to the model
 that moves a prediction more than 10% from its measurement fails here."""
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from lce_train import plot_gpu_suite
+
 pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 RESULTS = ROOT / "docs" / "benchmarks"
-sys.path.insert(0, str(SCRIPTS))
-
-import plot_gpu_suite  # noqa: E402
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
@@ -71,7 +70,7 @@ def test_max_micro_batch_runs_to_its_limit(tmp_path):
 
 
 def test_max_micro_batch_refuses_pipelines():
-    import max_micro_batch
+    from lce_train import max_micro_batch
 
     with pytest.raises(SystemExit, match="PP must be 1"):
         max_micro_batch.parse_args(["--config", "tiny", "--pipeline-model-parallel-size", "2",

@@ -1,4 +1,4 @@
-"""fused_lce.grad_probe: the fp32 reference, each variant's gradient error, the unseen mass.
+"""lce_train.grad_probe: the fp32 reference, each variant's gradient error, the unseen mass.
 
 The reference is checked against autograd through fp64 full logits (with soft-capping and an
 ignored token, over several token chunks); an exact path gives errors near zero; the paper's
@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers_lce import make_common_direction_problem
 
-from fused_lce import grad_probe
 from fused_lce.kernels.common import INTERPRET
+from lce_train import grad_probe
 
 needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
                                    reason="the cce kernels need CUDA or TRITON_INTERPRET=1")

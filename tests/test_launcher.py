@@ -1,7 +1,7 @@
 """scripts/pretrain_gpt.py on real megatron-core over gloo: flags, plans, losses, resume.
 
 Tiers: flags and --dry-run in this process (no ranks); the pipeline split against megatron's own
-get_num_layers_to_build; fused_lce.parallel.megatron_cpu's patches; then torchrun jobs of two CPU
+get_num_layers_to_build; lce_train.megatron_cpu's patches; then torchrun jobs of two CPU
 processes each, which train the tiny model (2 layers, hidden 64, vocab 1000, sequence 32,
 micro-batch 2) for a few steps:
 
@@ -17,6 +17,7 @@ About a minute and a half on two cores, mostly process start-up.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -27,16 +28,16 @@ import numpy as np
 import pytest
 import torch
 
+from lce_train import arguments, evaluation, optimizer, training
+from lce_train.configs import known_models
+from lce_train.data import TokenWindows
+from lce_train.pp_memory import stage_layer_counts
+
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import pretrain_gpt  # noqa: E402
-
-from fused_lce.configs import known_models  # noqa: E402
 
 TINY = ["--config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--vocab-size", "1000",
         "--seq-length", "32", "--micro-batch-size", "2"]
@@ -93,7 +94,7 @@ def _assert_losses_agree(result: dict, tol: float = 1e-4) -> None:
 
 def test_help_lists_megatron_flags_and_cce(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.main(["--help"])
+        training.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -114,7 +115,7 @@ def test_help_as_a_script():
 
 @pytest.mark.parametrize("config", known_models())
 def test_dry_run_each_config(config, capsys):
-    pretrain_gpt.main(["--config", config, "--dry-run", "--world-size", "8",
+    training.main(["--config", config, "--dry-run", "--world-size", "8",
                        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                        "2", "--sequence-parallel", "--cross-entropy-fusion-impl", "cce"])
     text = capsys.readouterr().out
@@ -124,17 +125,17 @@ def test_dry_run_each_config(config, capsys):
 
 
 def test_dry_run_defaults_and_overrides(capsys):
-    args = pretrain_gpt.parse_args(["--config", "gemma2_2b", "--num-layers", "4",
+    args = arguments.parse_args(["--config", "gemma2_2b", "--num-layers", "4",
                                     "--hidden-size", "128", "--vocab-size", "5000", "--dry-run"])
     assert args.model.num_layers == 4 and args.model.hidden_size == 128
     assert args.untie_embeddings_and_output_weights is False  # gemma2 ties
     assert args.padded_vocab_size == 5120
-    args = pretrain_gpt.parse_args(["--config", "llama3_8b", "--dry-run"])
+    args = arguments.parse_args(["--config", "llama3_8b", "--dry-run"])
     assert args.untie_embeddings_and_output_weights is True
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--dry-run"])
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--dry-run"])
     assert args.cross_entropy_loss_fusion  # implied
     with pytest.raises(SystemExit, match="not divisible"):
-        pretrain_gpt.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2",
+        arguments.parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "2",
                                  "--account-for-loss-in-pipeline-split", "--dry-run"])
 
 
@@ -149,9 +150,9 @@ def test_stage_split_matches_megatron(case):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if "pp_rank" not in pretrain_gpt.inspect.signature(get_num_layers_to_build).parameters:
+    if "pp_rank" not in inspect.signature(get_num_layers_to_build).parameters:
         pytest.skip("this megatron-core's get_num_layers_to_build takes no pp_rank")
-    ours = pretrain_gpt.stage_layer_counts(
+    ours = stage_layer_counts(
         case["num_layers"], case["pp"], case.get("first"), case.get("last"),
         case.get("account_embedding", False), case.get("account_loss", False))
     config = TransformerConfig(
@@ -168,37 +169,37 @@ def test_stage_split_matches_megatron(case):
 def test_heads_and_groups_must_split_over_tp(capsys):
     with pytest.raises(SystemExit, match=r"must divide the attention heads \(8\) and the "
                                          r"key/value groups \(4\)"):
-        pretrain_gpt.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size", "8",
+        arguments.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size", "8",
                                  "--dry-run"])
-    args = pretrain_gpt.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size",
+    args = arguments.parse_args(["--config", "gemma2_like", "--tensor-model-parallel-size",
                                     "8", "--num-query-groups", "8", "--dry-run"])
     assert args.model.num_query_groups == 8
 
 
 def test_local_attention_flag(monkeypatch):
-    args = pretrain_gpt.parse_args(["--local-attention", "sdpa", "--dry-run"])
+    args = arguments.parse_args(["--local-attention", "sdpa", "--dry-run"])
     assert args.local_attention == "sdpa" and args.transformer_impl == "local"
     # With transformer-engine the layers bring their own attention: the flag is refused.
-    monkeypatch.setattr(pretrain_gpt, "_te_importable", lambda: True)
+    monkeypatch.setattr(arguments, "_te_importable", lambda: True)
     with pytest.raises(SystemExit, match="--local-attention sdpa needs --transformer-impl local"):
-        pretrain_gpt.parse_args(["--local-attention", "sdpa", "--transformer-impl",
+        arguments.parse_args(["--local-attention", "sdpa", "--transformer-impl",
                                  "transformer_engine", "--dry-run"])
 
 
 def test_learning_rate_schedule():
-    args = pretrain_gpt.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
+    args = arguments.parse_args(["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
                                     "2", "--train-iters", "10", "--dry-run"])
-    lrs = [pretrain_gpt.learning_rate(args, s) for s in range(1, 11)]
+    lrs = [optimizer.learning_rate(args, s) for s in range(1, 11)]
     assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
     assert lrs[2] == pytest.approx(1e-3)  # first decay step runs at the peak
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] > 1e-4
 
 
 def test_mock_data_is_seeded_and_step_addressed():
-    args = pretrain_gpt.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
-    data = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None)
+    args = arguments.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
+    data = TokenWindows(32, 1000, seed=7, data_path=None)
     a = [b["tokens"] for b in data.microbatches(3, args, 0, "cpu")]
-    b = [b["tokens"] for b in pretrain_gpt.TokenWindows(32, 1000, 7, None)
+    b = [b["tokens"] for b in TokenWindows(32, 1000, 7, None)
          .microbatches(3, args, 0, "cpu")]
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))
     other = next(data.microbatches(4, args, 0, "cpu"))["tokens"]
@@ -207,7 +208,7 @@ def test_mock_data_is_seeded_and_step_addressed():
 
 
 def test_token_file_round_trip(tmp_path):
-    import build_token_file
+    from lce_train import build_token_file
 
     src = tmp_path / "src"
     src.mkdir()
@@ -225,7 +226,7 @@ def test_token_file_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# fused_lce.parallel.megatron_cpu
+# lce_train.megatron_cpu
 # ---------------------------------------------------------------------------------------------
 
 
@@ -233,7 +234,7 @@ def test_token_file_round_trip(tmp_path):
 def test_cpu_mode_patches_once():
     from megatron.core.pipeline_parallel import schedules
 
-    from fused_lce.parallel import megatron_cpu
+    from lce_train import megatron_cpu
 
     assert megatron_cpu.enable_cpu_mode() is True
     count = len(megatron_cpu.applied())
@@ -349,7 +350,7 @@ def _fits_up_to(threshold: int):
 
 @pytest.mark.parametrize("limit", [1, 6, 32])
 def test_max_micro_batch_search_finds_the_threshold(limit):
-    import max_micro_batch
+    from lce_train import max_micro_batch
 
     for threshold in range(0, 40):
         fits, calls = _fits_up_to(threshold)
@@ -361,7 +362,7 @@ def test_max_micro_batch_search_finds_the_threshold(limit):
 @pytest.mark.parametrize("error", [-50, -3, 0, 1, 7, 1000])
 def test_max_micro_batch_search_follows_a_prediction(error):
     """A prediction off by ``error`` still finds the threshold; an exact one costs one failure."""
-    import max_micro_batch
+    from lce_train import max_micro_batch
 
     for threshold in range(0, 80):
         fits, calls = _fits_up_to(threshold)
@@ -378,56 +379,56 @@ def test_max_micro_batch_search_follows_a_prediction(error):
 
 
 def test_cce_option_flags():
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-backward",
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-backward",
                                     "tiles", "--cce-filter-eps", "paper", "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"backward": "tiles", "filter_eps": "paper"}
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
+    assert arguments.cce_options(args) == {"backward": "tiles", "filter_eps": "paper"}
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
                                     "none", "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"filter_eps": None}  # off, not "the default"
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "linear", "--cce-filter-eps",
+    assert arguments.cce_options(args) == {"filter_eps": None}  # off, not "the default"
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "linear", "--cce-filter-eps",
                                     "1e-5", "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"filter_eps": 1e-5}
-    assert pretrain_gpt.cce_options(pretrain_gpt.parse_args(["--dry-run"])) == {}
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-impl",
+    assert arguments.cce_options(args) == {"filter_eps": 1e-5}
+    assert arguments.cce_options(arguments.parse_args(["--dry-run"])) == {}
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-impl",
                                     "chunked", "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"impl": "chunked"}
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-round-logits",
+    assert arguments.cce_options(args) == {"impl": "chunked"}
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-round-logits",
                                     "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"round_logits": True}
-    args = pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
+    assert arguments.cce_options(args) == {"round_logits": True}
+    args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
                                     "--dry-run"])
-    assert pretrain_gpt.cce_options(args) == {"recompute_logits": False}
+    assert arguments.cce_options(args) == {"recompute_logits": False}
     with pytest.raises(SystemExit, match="--cce-keep-logits needs the gemm backward"):
-        pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
+        arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
                                  "--cce-backward", "tiles", "--dry-run"])
     for flags in (["--cce-backward", "tiles"], ["--cce-impl", "chunked"], ["--cce-round-logits"],
                   ["--cce-keep-logits"]):
         with pytest.raises(SystemExit, match="use them with --cross-entropy-fusion-impl cce"):
-            pretrain_gpt.parse_args([*flags, "--dry-run"])
+            arguments.parse_args([*flags, "--dry-run"])
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
+        arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-filter-eps",
                                  "tiny", "--dry-run"])
 
 
 def test_eval_and_probe_flag_checks(tmp_path):
     with pytest.raises(SystemExit, match="needs --tensor-model-parallel-size 1"):
-        pretrain_gpt.parse_args(["--probe-interval", "5", "--tensor-model-parallel-size", "2",
+        arguments.parse_args(["--probe-interval", "5", "--tensor-model-parallel-size", "2",
                                  "--world-size", "2", "--dry-run"])
     with pytest.raises(SystemExit, match="data-parallel size 1"):
-        pretrain_gpt.parse_args(["--probe-interval", "5", "--world-size", "2", "--dry-run"])
+        arguments.parse_args(["--probe-interval", "5", "--world-size", "2", "--dry-run"])
     train, _ = _byte_token_files(tmp_path)
     with pytest.raises(SystemExit, match="needs --valid-data-path"):
-        pretrain_gpt.parse_args(["--data-path", str(train), "--vocab-size", "300",
+        arguments.parse_args(["--data-path", str(train), "--vocab-size", "300",
                                  "--eval-interval", "5", "--dry-run"])
     with pytest.raises(SystemExit, match="must be > 0"):
-        pretrain_gpt.parse_args(["--eval-interval", "0", "--dry-run"])
+        arguments.parse_args(["--eval-interval", "0", "--dry-run"])
 
 
 def test_held_out_windows_are_fixed_and_separate():
-    args = pretrain_gpt.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
-    train = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None)
-    held_out = pretrain_gpt.TokenWindows(32, 1000, seed=7, data_path=None, held_out=True)
-    other_seed = pretrain_gpt.TokenWindows(32, 1000, seed=8, data_path=None, held_out=True)
+    args = arguments.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
+    train = TokenWindows(32, 1000, seed=7, data_path=None)
+    held_out = TokenWindows(32, 1000, seed=7, data_path=None, held_out=True)
+    other_seed = TokenWindows(32, 1000, seed=8, data_path=None, held_out=True)
     assert torch.equal(held_out.zipf_ids, train.zipf_ids)  # the training distribution
     # The same draws for every seed (through each seed's permutation of the vocabulary).
     ranks = torch.argsort(held_out.zipf_ids)[held_out.sample(3)]
@@ -469,7 +470,7 @@ class _TinyGPT(torch.nn.Module):
 def test_output_layer_tap_copies_inputs_and_falls_back():
     for through_hooks, source in ((True, "output_layer"), (False, "final_norm")):
         gpt = _TinyGPT(through_hooks)
-        tap = pretrain_gpt.OutputLayerTap(gpt)
+        tap = evaluation.OutputLayerTap(gpt)
         hidden = torch.randn(3, 2, 4)
         gpt(hidden)
         with pytest.raises(RuntimeError, match="saw no forward"):
@@ -489,7 +490,7 @@ def test_output_layer_tap_copies_inputs_and_falls_back():
 
 def _byte_token_files(tmp_path) -> tuple[Path, Path]:
     """Tiny train/valid byte-token files (vocabulary 257) of generated text."""
-    import build_token_file
+    from lce_train import build_token_file
 
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)

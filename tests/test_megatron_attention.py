@@ -1,4 +1,4 @@
-"""SDPAttention (fused_lce.parallel.megatron_attention) against fp64 attention math, and as
+"""SDPAttention (lce_train.megatron_attention) against fp64 attention math, and as
 megatron-core's core attention inside the launcher (test_launcher.py runs it at TP2 with SP)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_close_rel
 
-from fused_lce.parallel.megatron_attention import SDPAttention
+from lce_train.megatron_attention import SDPAttention
 
 SQ, B, HEADS, GROUPS, HN = 37, 2, 6, 2, 24
 CAUSAL = SimpleNamespace(name="causal")

@@ -1,4 +1,4 @@
-"""fused_lce.pp_memory (the per-stage memory model and recommender) and
+"""lce_train.pp_memory (the per-stage memory model and recommender) and
 scripts/pp_memory_balance.py, on the CPU in a few seconds: each term against a hand count, the
 recommender against brute force on small cases, the script on every shipped config."""
 
@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fused_lce import pp_memory as pm
-from fused_lce.configs import ModelConfig, known_models, load_model_config
+from lce_train import pp_memory as pm
+from lce_train import pp_memory_balance
+from lce_train.configs import ModelConfig, known_models, load_model_config
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import pp_memory_balance  # noqa: E402
 
 TINY = load_model_config("tiny")  # h 64, 4 heads x 16, 4 kv groups, ffn 256, vocab 1000, 2 layers
 # ffn = 8h/3: a gated MLP that stores as much as the paper's 4h GeLU MLP (6 f / h = 16).

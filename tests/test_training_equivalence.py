@@ -18,15 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lce_train import arguments
+from lce_train import training_equivalence as eq
+
 pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import pretrain_gpt  # noqa: E402
-import training_equivalence as eq  # noqa: E402
 
 
 def _script(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -56,16 +55,16 @@ def test_matrix_commands_parse_with_the_launcher(tmp_path):
         for corpus in exp.corpora:
             job = eq.Job(corpus, variant, exp.seeds[0])
             flags[job.name] = eq.launcher_flags(exp, job, 50, data, tmp_path / "x.jsonl", {})
-            args = pretrain_gpt.parse_args([*flags[job.name], "--dry-run"])
+            args = arguments.parse_args([*flags[job.name], "--dry-run"])
             assert args.train_iters == 50 and args.bf16 and args.probe_interval
             assert args.eval_interval and args.tensor_model_parallel_size == 1
             assert args.model.num_layers == 8 and args.model.hidden_size == 512
-    assert pretrain_gpt.cce_options(pretrain_gpt.parse_args(
+    assert arguments.cce_options(arguments.parse_args(
         [*flags["zipf_cce-paper_s1"], "--dry-run"])) == {"backward": "tiles",
                                                           "filter_eps": "paper"}
-    cce = pretrain_gpt.parse_args([*flags["text_cce_s1"], "--dry-run"])
-    assert pretrain_gpt.cce_options(cce) == {} and cce.valid_data_path is not None
-    native = pretrain_gpt.parse_args([*flags["zipf_native_s1"], "--dry-run"])
+    cce = arguments.parse_args([*flags["text_cce_s1"], "--dry-run"])
+    assert arguments.cce_options(cce) == {} and cce.valid_data_path is not None
+    native = arguments.parse_args([*flags["zipf_native_s1"], "--dry-run"])
     assert not native.uses_cce and native.mock_data and native.padded_vocab_size == 256000
 
     proc = _script("run", "--out", str(tmp_path / "dry"), "--dry-run", "--steps", "40",
