@@ -134,3 +134,40 @@ def test_usage_without_a_script():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "usage: python -m fused_lce.parallel.megatron_lm" in \
         result.stdout
+
+
+def _log(losses, peak_by_rank, times=None):
+    lines = ["> building NullTokenizer tokenizer ..."]
+    for step, loss in enumerate(losses, 1):
+        ms = (times or {}).get(step, 150.0)
+        lines.append(f" [2026-11-23 12:00:{step:02d}] iteration {step:8d}/{len(losses):8d} | "
+                     f"consumed samples: {2 * step:12d} | elapsed time per iteration (ms): "
+                     f"{ms:.1f} | learning rate: 3.000000E-04 | global batch size: 2 | "
+                     f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.234 |")
+    for rank, mib in peak_by_rank.items():
+        lines.append(f"[Rank {rank}] (after {len(losses)} iterations) memory (MB) | allocated: "
+                     f"100.00 | max allocated: {mib:.2f} | reserved: 9.00 | max reserved: 9.00")
+    return "\n".join(lines) + "\n"
+
+
+def test_gpu_run_report_reads_megatron_log_lines(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    try:
+        import megatron_lm_report as report
+    finally:
+        sys.path.pop(0)
+    cce = [11.0 - 0.1 * i for i in range(30)]
+    (tmp_path / "tp2_cce.log").write_text(_log(cce, {0: 5000.0, 1: 5120.0}, {1: 9000.0}))
+    (tmp_path / "tp2_unfused.log").write_text(_log([c + 0.01 for c in cce], {0: 6144.0}))
+    (tmp_path / "tp2_native.log").write_text("Traceback: out of memory\n")
+    report.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "### tp2" in out
+    assert "| cce | 30 | 8.10000 | 8.55000 | -0.01000 | 5.00 | 150.0 |" in out
+    assert "| native | no result (see tp2_native.log)" in out
+    assert "| unfused | 30 | 8.11000 | 8.56000 | +0.00000 | 6.00 | 150.0 |" in out
+
+
+def test_gpu_run_script_is_valid_bash():
+    script = Path(__file__).parents[1] / "scripts" / "megatron_lm_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
