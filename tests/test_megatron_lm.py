@@ -95,17 +95,20 @@ def test_megatron_lm_alone_refuses_cce():
 def test_python_m_route_reaches_every_parse_and_the_config(impl):
     seen = _seen(_plugin(*CCE, impl, "--cce-softcap", "30", "--cce-keep-logits",
                          "--cce-filter-eps", "none", "--cce-backward", "gemm"))
-    assert seen["first_parse"] == seen["validated"] == impl
+    assert seen["first_parse"] == seen["validated"] == seen["with_provider"] == impl
     assert seen["config"] == [True, impl] and seen["wants_cce"]
     assert seen["options"] == {"softcap": 30.0, "recompute_logits": False, "filter_eps": None,
                                "backward": "gemm"}
     assert seen["gpt_patched"]
 
 
-def test_one_line_install_route():
-    seen = _seen(_run([str(STANDIN), *TINY, *CCE, "cce", "--cce-z-loss", "1e-4",
+@pytest.mark.parametrize("launch", [[], ["-m", "fused_lce.parallel.megatron_lm"]],
+                         ids=["plain", "and-python-m"])
+def test_one_line_install_route(launch):
+    """The script's own install() call; under python -m too, installing twice."""
+    seen = _seen(_run([*launch, str(STANDIN), *TINY, *CCE, "cce", "--cce-z-loss", "1e-4",
                        "--cce-scratch-mb", "16"], {"STANDIN_INSTALL": "1"}))
-    assert seen["first_parse"] == seen["validated"] == "cce"
+    assert seen["first_parse"] == seen["validated"] == seen["with_provider"] == "cce"
     assert seen["options"] == {"z_loss": 1e-4, "scratch_mb": 16.0} and seen["gpt_patched"]
 
 

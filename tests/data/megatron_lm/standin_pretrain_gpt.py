@@ -40,6 +40,10 @@ if __name__ == "__main__":
     from fused_lce.parallel import megatron as lce_megatron
     from fused_lce.parallel.megatron_lm import options_from_megatron_lm
 
+    # A script that also passes our provider, as the docs of fused_lce 0.1 asked.
+    seen["with_provider"] = arguments.parse_args(
+        extra_args_provider=lce_megatron.extra_args_provider, ignore_unknown_args=True
+    ).cross_entropy_fusion_impl
     seen["wants_cce"] = lce_megatron.wants_cce(config)
     seen["options"] = options_from_megatron_lm()
     seen["gpt_patched"] = getattr(GPTModel._postprocess, "_fused_lce_patched", False)
