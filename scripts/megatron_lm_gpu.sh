@@ -7,16 +7,18 @@
 # Needs, carried beside the repository (both git-ignored):
 #   .mlm/  Megatron-LM's pretrain_gpt.py, gpt_builders.py, model_provider.py and
 #          megatron/core/datasets/Makefile, from tag core_v0.19.0
-#   .whl/  megatron_core-0.19.2-cp312-*.whl (ships megatron/core and megatron/training)
+#   .whl/  megatron_core-0.19.2-cp312-*.whl (ships megatron/core and megatron/training); only
+#          that wheel is installed from it. WHEEL_DIR names another folder.
 #
 # Steps: install the wheel and this package; per layout three runs of $STEPS iterations (default
 # 30): cce through `python -m fused_lce.parallel.megatron_lm`, native fused and unfused as plain
 # Megatron-LM; then (unless SKIP_TESTS=1) the Megatron-LM parser tests against the wheel's real
-# megatron.training (tests/test_megatron_lm.py, tests/test_megatron_plugin.py).
+# megatron.training (tests/test_megatron_lm.py, tests/test_megatron_plugin.py). The table is
+# printed before the tests.
 # Layouts: NGPU=1 TP1; NGPU=2 TP2; NGPU=4 TP2 (2 GPUs) and TP2 x PP2. The model is 2 layers,
 # hidden 2048, vocabulary $VOCAB (default 131072), sequence 2048, micro-batch 2, bf16, local
-# transformer impl (no transformer-engine, no apex). The last step prints the table
-# (scripts/megatron_lm_report.py); every log stays under RESULTS_DIR.
+# transformer impl (no transformer-engine, no apex). scripts/megatron_lm_report.py prints the
+# table; every log stays under RESULTS_DIR.
 set -uo pipefail
 results=${1:?usage: NGPU=1 bash scripts/megatron_lm_gpu.sh RESULTS_DIR}
 mkdir -p "$results"
@@ -24,6 +26,7 @@ ngpu=${NGPU:-1}
 steps=${STEPS:-30}
 vocab=${VOCAB:-131072}
 site=/tmp/site
+wheels=${WHEEL_DIR:-.whl}
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 
@@ -31,10 +34,11 @@ for need in .mlm/pretrain_gpt.py .mlm/gpt_builders.py .mlm/model_provider.py \
             .mlm/megatron/core/datasets/Makefile; do
     [[ -f $need ]] || { echo "missing $need (carry .mlm)"; exit 1; }
 done
-compgen -G ".whl/megatron_core-*.whl" > /dev/null || { echo "missing .whl/megatron_core-*.whl"; exit 1; }
+compgen -G "$wheels/megatron_core-*.whl" > /dev/null || {
+    echo "missing $wheels/megatron_core-*.whl (carry it)"; exit 1; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target $site .whl/megatron_core-*.whl || exit 1
+    --target $site "$wheels"/megatron_core-*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null || exit 1
 # The wheel has the compiled dataset helpers but not the Makefile that Megatron-LM's
 # compile_helpers runs on rank 0: put the tag's Makefile there and leave the library newer, so
@@ -88,7 +92,7 @@ case $ngpu in
     *) echo "NGPU must be 1, 2 or 4, got $ngpu"; exit 1 ;;
 esac
 
-[[ -n ${SKIP_TESTS:-} ]] || step parser_tests 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_megatron_lm.py tests/test_megatron_plugin.py
-
 python3 scripts/megatron_lm_report.py "$results" | tee "$results/table.md"
+
+[[ -n ${SKIP_TESTS:-} ]] || step parser_tests 150 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_megatron_lm.py tests/test_megatron_plugin.py
