@@ -21,20 +21,25 @@ following Megatron's protocol for it (``grad_added_to_main_grad``).
 
 megatron-core is imported lazily: importing this module needs only torch.
 
-For Megatron-LM users::
-
-    from fused_lce.parallel import megatron as lce_megatron
-    lce_megatron.install()                                  # every GPTModel built afterwards
-    pretrain(..., extra_args_provider=lce_megatron.extra_args_provider)
-    # then: --cross-entropy-loss-fusion --cross-entropy-fusion-impl cce
+The op's options reach it from a command line as ``--cce-...`` flags (``--cce-softcap``,
+``--cce-z-loss``, ``--cce-backward``, ...): :func:`add_cce_arguments` derives them from the
+:class:`~fused_lce.options.LCEOptions` fields and their docstrings, :func:`cce_options_from_args`
+reads them back. Megatron-LM's own ``pretrain_gpt.py`` runs through
+:mod:`fused_lce.parallel.megatron_lm` (docs/megatron.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import contextlib
+import dataclasses
 import functools
 import inspect
+import textwrap
 import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +81,151 @@ def add_arguments(parser):
 
 
 def extra_args_provider(parser):
-    """For Megatron-LM's ``pretrain(..., extra_args_provider=...)``."""
-    return add_arguments(parser)
+    """For Megatron-LM's ``parse_and_validate_args(extra_args_provider=...)`` (0.18+) or
+    ``pretrain(..., extra_args_provider=...)`` (0.16, 0.17): the cce choices and the --cce-*
+    flags."""
+    return add_cce_arguments(add_arguments(parser))
+
+
+# The --cce-* flags, one per option the adapter passes to the op, derived from LCEOptions.
+CCE_FLAG_PREFIX = "cce_"
+_OFF = "none"  # a flag's explicit None ("off"), told apart from "not given" (None)
+_FLAG_ALIASES = {"recompute_logits": ("--cce-keep-logits",)}
+
+
+def cce_flag(name: str) -> str:
+    """The command-line flag of option ``name``: ``--cce-z-loss`` for ``z_loss``; for a bool
+    that is on by default, the flag that turns it off (``--cce-no-recompute-logits``)."""
+    option = _option_fields()[name]
+    negate = option.type is bool and option.default is True
+    return "--cce-" + ("no-" if negate else "") + name.replace("_", "-")
+
+
+def add_cce_arguments(parser: argparse.ArgumentParser, title: str | None = None):
+    """Add a ``--cce-<option>`` flag for every option the adapter passes to the op.
+
+    Each flag's type, choices and help come from the :class:`~fused_lce.options.LCEOptions`
+    field of the same name. Every flag defaults to "not given" (the op's own default applies);
+    a bool that is off by default is switched on by its flag, one that is on by default is
+    switched off (``--cce-no-recompute-logits``, alias ``--cce-keep-logits``). Adding twice is
+    harmless.
+    """
+    if any(CCE_FLAG_PREFIX + "impl" == action.dest for action in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title or "fused_lce options (with --cross-entropy-fusion-impl cce or linear)"
+    )
+    docs = _field_docs()
+    for name, option in _option_fields().items():
+        flags = [cce_flag(name), *_FLAG_ALIASES.get(name, ())]
+        help_text = " ".join(docs.get(name, "").split()).replace("%", "%%")
+        dest = CCE_FLAG_PREFIX + name
+        if option.type is bool:
+            group.add_argument(*flags, dest=dest, action="store_const",
+                               const=not option.default, default=None, help=help_text)
+            continue
+        kwargs = _value_kwargs(name, option.type, none_allowed=option.default is not None)
+        group.add_argument(*flags, dest=dest, default=None, help=help_text, **kwargs)
+    return parser
+
+
+def cce_options_from_args(args) -> dict:
+    """The options given as ``--cce-*`` flags in ``args`` (a parsed namespace), by option name.
+
+    Flags not given are left out, so the op's defaults apply. Values are not cross-checked
+    here: :func:`check_cce_options` does that.
+    """
+    options = {}
+    for name in _option_fields():
+        value = getattr(args, CCE_FLAG_PREFIX + name, None)
+        if value is not None:
+            options[name] = None if value == _OFF else value
+    return options
+
+
+def check_cce_options(options: dict) -> None:
+    """Raise ValueError naming the flags if ``options`` (from :func:`cce_options_from_args`)
+    cannot run together."""
+    if options.get("recompute_logits") is False and options.get("backward") == "tiles":
+        raise ValueError(
+            "--cce-keep-logits needs the gemm backward (the tiles backward always recomputes "
+            "the logits): drop --cce-backward tiles"
+        )
+    from fused_lce.options import LCEOptions
+
+    try:
+        LCEOptions(**options)
+    except (TypeError, ValueError) as err:
+        flags = ", ".join(f"{cce_flag(k)} {v}" for k, v in options.items())
+        raise ValueError(f"{flags}: {err}") from None
+
+
+@functools.cache
+def _option_fields() -> dict:
+    """The LCEOptions fields the adapter accepts, with their resolved types."""
+    from fused_lce.options import LCEOptions
+
+    hints = typing.get_type_hints(LCEOptions)
+    return {
+        f.name: _Field(hints[f.name], f.default)
+        for f in dataclasses.fields(LCEOptions)
+        if f.name in _OPTION_NAMES
+    }
+
+
+@dataclass(frozen=True)
+class _Field:
+    type: object
+    default: object
+
+
+@functools.cache
+def _field_docs() -> dict[str, str]:
+    """Each LCEOptions field's docstring (the string literal under it), by name."""
+    from fused_lce.options import LCEOptions
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(LCEOptions))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+def _value_kwargs(name: str, hint, none_allowed: bool) -> dict:
+    """argparse keywords (type, choices, metavar) for a field annotated ``hint``."""
+    if typing.get_origin(hint) is typing.Literal:
+        return {"choices": typing.get_args(hint)}
+    members = typing.get_args(hint) or (hint,)
+    words = [w for m in members if typing.get_origin(m) is typing.Literal
+             for w in typing.get_args(m)]
+    if type(None) in members and none_allowed:
+        words.append(_OFF)
+    numeric = [m for m in members if m in (int, float)]
+    if not numeric:
+        raise TypeError(f"LCEOptions.{name}: no command-line form for {hint}")
+    number = numeric[0]
+    if not words:
+        return {"type": number}
+
+    def parse(text: str):
+        if text in words:
+            return text
+        try:
+            return number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {', '.join(words)} or a number, got {text!r}"
+            ) from None
+
+    parse.__name__ = name
+    return {"type": parse, "metavar": "{" + ",".join(words) + ",X}"}
 
 
 def wants_cce(config) -> bool:
@@ -86,7 +234,7 @@ def wants_cce(config) -> bool:
     )
 
 
-def install(model=None, **options):
+def install(model=None, *, options_from: Callable[[], dict] | None = None, **options):
     """Route the loss of GPT models whose config asks for cce through our op.
 
     Args:
@@ -97,6 +245,8 @@ def install(model=None, **options):
             ``filter_eps``, ``scratch_mb``, ``deterministic``, ``vocab_size`` (the true vocabulary
             size when Megatron pads it; default: every row of the output weight is a class, as in
             Megatron's own loss).
+        options_from: instead of ``options``, a function returning them, called at the first
+            cce loss (Megatron-LM parses its command line after the plugin is installed).
 
     Installing twice is harmless: an already patched model or class is left as it is.
     """
@@ -107,6 +257,10 @@ def install(model=None, **options):
     from fused_lce.options import LCEOptions
 
     LCEOptions(**{k: v for k, v in options.items() if k != "vocab_size"})
+    if options_from is not None:
+        if options:
+            raise TypeError("install: pass options or options_from, not both")
+        options = options_from
     if model is None:
         try:
             from megatron.core.models.gpt import GPTModel
@@ -150,9 +304,11 @@ def _hook_name(cls) -> str:
     return "_postprocess" if hasattr(cls, "_postprocess") else "forward"
 
 
-def _wrap(function, options: dict):
-    """``function`` (an unbound GPTModel method taking ``labels``) with the cce route."""
+def _wrap(function, options: dict | Callable[[], dict]):
+    """``function`` (an unbound GPTModel method taking ``labels``) with the cce route;
+    ``options`` may be a function giving them, called once, at the first cce call."""
     signature = inspect.signature(function)
+    resolved = [options] if isinstance(options, dict) else []
 
     @functools.wraps(function)
     def wrapper(self, *args, **kwargs):
@@ -163,7 +319,9 @@ def _wrap(function, options: dict):
             or getattr(self, "output_layer", None) is None
         ):
             return function(self, *args, **kwargs)
-        with _deferred_output(self, options):
+        if not resolved:
+            resolved.append(options())
+        with _deferred_output(self, resolved[0]):
             return function(self, *args, **kwargs)
 
     setattr(wrapper, _PATCHED, True)

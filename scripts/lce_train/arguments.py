@@ -123,24 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data-path", default=None,
                      help="token file prefix: PREFIX.bin (flat uint16/uint32) + PREFIX.json")
 
-    g = p.add_argument_group("cce options (with --cross-entropy-fusion-impl cce or linear)")
-    g.add_argument("--cce-impl", choices=("cce", "chunked"), default=None,
-                   help="the op's implementation (default: cce, the Triton kernels; chunked: "
-                        "pure PyTorch, whose logits are rounded to the inputs' dtype as "
-                        "megatron's are)")
-    g.add_argument("--cce-backward", choices=("auto", "gemm", "tiles"), default=None,
-                   help="the op's backward (default: the op's, gemm, which never filters)")
-    g.add_argument("--cce-filter-eps", type=_filter_eps, default=None,
-                   metavar="{safe,paper,none,X}",
-                   help="gradient filtering of the tiles backward (default: the op's, safe)")
-    g.add_argument("--cce-round-logits", action="store_true",
-                   help="round each logit to bf16 before the softmax, as the native path's "
-                   "bf16 output layer does (default: exact fp32 logits)")
-    g.add_argument("--cce-keep-logits", action="store_true",
-                   help="keep the logits from the forward (2 bytes a logit, as 16-bit "
-                   "exponentials) so the backward does not recompute them: faster where the "
-                   "hidden size is large, at a bf16 logits tensor's memory "
-                   "(recompute_logits=False)")
+    # One flag per option of the op, derived from LCEOptions (the same flags as Megatron-LM's
+    # route, fused_lce.parallel.megatron_lm).
+    lce_megatron.add_cce_arguments(
+        p, "cce options (with --cross-entropy-fusion-impl cce or linear)")
 
     g = p.add_argument_group("evaluation and probes")
     g.add_argument("--valid-data-path", default=None,
@@ -173,32 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _filter_eps(text: str):
-    """--cce-filter-eps: "safe", "paper", "none" (off, kept as the string until
-    :func:`cce_options`, since None means the flag was not given) or a number."""
-    if text in ("safe", "paper", "none"):
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected safe, paper, none or a number, got {text!r}") from None
-
-
 def cce_options(args) -> dict:
-    """The options ``fused_lce.parallel.megatron.install`` passes to the op."""
+    """The options ``fused_lce.parallel.megatron.install`` passes to the op: the model's
+    final-logit softcap, then the --cce-* flags given (an explicit --cce-softcap wins)."""
     options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
-    if args.cce_impl is not None:
-        options["impl"] = args.cce_impl
-    if args.cce_backward is not None:
-        options["backward"] = args.cce_backward
-    if args.cce_filter_eps is not None:
-        options["filter_eps"] = None if args.cce_filter_eps == "none" else args.cce_filter_eps
-    if args.cce_round_logits:
-        options["round_logits"] = True
-    if args.cce_keep_logits:
-        options["recompute_logits"] = False
-    return options
+    return {**options, **lce_megatron.cce_options_from_args(args)}
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -285,14 +250,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check_eval_and_probes(args) -> None:
-    if not args.uses_cce and (args.cce_round_logits or args.cce_keep_logits or any(
-            v is not None for v in (args.cce_impl, args.cce_backward, args.cce_filter_eps))):
-        raise SystemExit("--cce-impl / --cce-backward / --cce-filter-eps / --cce-round-logits / "
-                         "--cce-keep-logits act on fused_lce's op: "
+    given = lce_megatron.cce_options_from_args(args)
+    if not args.uses_cce and given:
+        flags = " / ".join(lce_megatron.cce_flag(name) for name in given)
+        raise SystemExit(f"{flags} act on fused_lce's op: "
                          "use them with --cross-entropy-fusion-impl cce or linear")
-    if args.cce_keep_logits and args.cce_backward == "tiles":
-        raise SystemExit("--cce-keep-logits needs the gemm backward (the tiles backward always "
-                         "recomputes the logits): drop --cce-backward tiles")
+    try:
+        lce_megatron.check_cce_options(cce_options(args))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     for flag in ("eval_interval", "eval_iters", "probe_interval"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

@@ -1,0 +1,131 @@
+"""Megatron-LM's own training scripts with ``--cross-entropy-fusion-impl cce``, unmodified.
+
+Run a script through this module and it trains with fused_lce's loss::
+
+    python -m fused_lce.parallel.megatron_lm pretrain_gpt.py --cross-entropy-loss-fusion \\
+        --cross-entropy-fusion-impl cce [--cce-softcap 30 ...] ARGS...
+    torchrun --nproc-per-node 2 -m fused_lce.parallel.megatron_lm pretrain_gpt.py ...
+
+or call :func:`install` once at the top of the script. Either way, before the script parses its
+command line:
+
+- every ``GPTModel`` built afterwards is patched (:func:`fused_lce.parallel.megatron.install`);
+  the op's options are the ``--cce-*`` flags of the parsed command line, read from Megatron-LM's
+  global arguments at the first cce loss;
+- every parser Megatron-LM builds gets ``cce``/``linear`` among the choices of
+  ``--cross-entropy-fusion-impl`` and the ``--cce-*`` flags.
+
+Why the second point patches Megatron-LM rather than passing an ``extra_args_provider``:
+Megatron-LM 0.16 to 0.19 parse the command line more than once.
+``inprocess_restart.maybe_wrap_for_inprocess_restart`` and ``ft_integration`` call
+``arguments.parse_args(ignore_unknown_args=True)`` with no provider before the script's own
+parse, and argparse checks the choices of a known flag even then, so ``cce`` fails there. Every
+one of those parsers is built by ``megatron.training.arguments.parse_args``, which calls the
+module's ``add_megatron_arguments``; wrapping that module attribute reaches them all, also where
+``parse_args`` itself was imported by name (``initialize.py`` in 0.16 and 0.17). The module's
+``parse_args`` is wrapped too, so bad ``--cce-*`` values fail at the first parse.
+
+Nothing else in Megatron-LM checks the value: ``cross_entropy_fusion_impl`` is a
+``Literal['native', 'te']`` on ``ModelParallelConfig`` that no code validates at run time
+(``__post_init__`` only refuses ``'te'`` with the fusion on, in 0.18+); ``validate_args`` does the
+same; ``load_args_from_checkpoint`` copies named fields, not this one, and parses nothing.
+A ``--yaml-cfg`` run replaces the parsed namespace by the YAML file's and is not covered.
+
+Importing this module imports neither megatron nor Megatron-LM; :func:`install` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+
+from . import megatron as lce_megatron
+
+_PATCHED = "_fused_lce_patched"
+USAGE = "usage: python -m fused_lce.parallel.megatron_lm SCRIPT.py [ARGS...]"
+
+
+def install() -> None:
+    """Install the plugin and teach Megatron-LM's argument parsing ``cce`` and ``--cce-*``.
+
+    Call it before the script's first parse (at the top of ``pretrain_gpt.py``, or let
+    ``python -m fused_lce.parallel.megatron_lm`` do it). Installing twice is harmless.
+    """
+    try:
+        from megatron.training import arguments
+    except ImportError as exc:
+        raise ImportError(
+            "fused_lce.parallel.megatron_lm needs Megatron-LM's megatron.training (Megatron-LM's "
+            "source on PYTHONPATH, or a megatron-core wheel that ships it, 0.19+)"
+        ) from exc
+    lce_megatron.install(options_from=options_from_megatron_lm)
+    _wrap_module_function(arguments, "add_megatron_arguments", _with_cce_arguments)
+    _wrap_module_function(arguments, "parse_args", _checking_cce_options)
+
+
+def options_from_megatron_lm() -> dict:
+    """The op's options: the ``--cce-*`` flags of Megatron-LM's parsed global arguments."""
+    from megatron.training.global_vars import get_args
+
+    options = lce_megatron.cce_options_from_args(get_args())
+    lce_megatron.check_cce_options(options)
+    return options
+
+
+def _wrap_module_function(module, name: str, wrapper_of) -> None:
+    original = getattr(module, name)
+    if getattr(original, _PATCHED, False):
+        return
+    wrapped = functools.wraps(original)(wrapper_of(original))
+    setattr(wrapped, _PATCHED, True)
+    setattr(module, name, wrapped)
+
+
+def _with_cce_arguments(add_megatron_arguments):
+    def add_megatron_and_cce_arguments(parser, *args, **kwargs):
+        parser = add_megatron_arguments(parser, *args, **kwargs)
+        return lce_megatron.extra_args_provider(parser)
+
+    return add_megatron_and_cce_arguments
+
+
+def _checking_cce_options(parse_args):
+    def parse_and_check_cce_options(*args, **kwargs):
+        parsed = parse_args(*args, **kwargs)
+        options = lce_megatron.cce_options_from_args(parsed)
+        if options and parsed.cross_entropy_fusion_impl not in lce_megatron.CCE_CHOICES:
+            raise SystemExit(
+                f"{', '.join(lce_megatron.cce_flag(k) for k in options)}: these act on "
+                "fused_lce's loss; use them with --cross-entropy-loss-fusion "
+                "--cross-entropy-fusion-impl cce"
+            )
+        try:
+            lce_megatron.check_cce_options(options)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        return parsed
+
+    return parse_and_check_cce_options
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Install, then run ``argv[0]`` as ``python SCRIPT ARGS...`` would (``__main__``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        print(__doc__.split("\n\n")[1].strip() if __doc__ else "")
+        raise SystemExit(0 if argv else 2)
+    script = argv[0]
+    if not os.path.isfile(script):
+        raise SystemExit(f"{USAGE}\nno such script: {script}")
+    install()
+    sys.argv = [script, *argv[1:]]
+    # As `python SCRIPT` does: the script's folder first (pretrain_gpt.py imports its neighbours).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
