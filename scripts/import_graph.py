@@ -4,6 +4,7 @@
     python scripts/import_graph.py                 # mermaid, for docs/architecture.md
     python scripts/import_graph.py --format text   # one line per module: what it imports
     python scripts/import_graph.py --check         # the rules of docs/architecture.md
+    python scripts/import_graph.py --update-doc docs/architecture.md   # redraw its graph
 
 The packages and the folders they come from are read from setup.py (``packages`` and
 ``package_dir``), so a package added there is drawn without editing this file. Every import
@@ -243,6 +244,16 @@ def text(modules: dict[str, Path], edges: list[Edge]) -> str:
     return "\n".join(lines)
 
 
+def update_doc(path: Path, graph: str) -> bool:
+    """Put ``graph`` into the first mermaid block of ``path``; whether anything changed."""
+    text = path.read_text()
+    start = text.index("```mermaid\n") + len("```mermaid\n")
+    end = text.index("```", start)
+    new = text[:start] + graph + "\n" + text[end:]
+    path.write_text(new)
+    return new != text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["mermaid", "text"], default="mermaid")
@@ -250,9 +261,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="print each rule's breaks; exit 1 on one not in KNOWN_BREAKS")
     parser.add_argument("--setup", type=Path, default=ROOT / "setup.py",
                         help="the setup.py whose packages to read (default: this repository's)")
+    parser.add_argument("--update-doc", type=Path, default=None, metavar="MARKDOWN",
+                        help="redraw the first mermaid block of this file")
     args = parser.parse_args(argv)
     modules = module_files(setup_packages(args.setup))
     edges = import_edges(modules)
+    if args.update_doc:
+        changed = update_doc(args.update_doc, mermaid(modules, edges))
+        print(f"{args.update_doc}: {'redrawn' if changed else 'already current'}")
+        return 0
     if not args.check:
         print(mermaid(modules, edges) if args.format == "mermaid" else text(modules, edges))
         return 0

@@ -78,3 +78,12 @@ def test_each_rule_catches_its_break(tmp_path):
         assert line in failed[rule], result.stdout
     # The training package may import megatron and the parallel layer.
     assert "training.launch ->" not in result.stdout
+
+
+def test_architecture_page_shows_the_current_graph():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawn = page.split("```mermaid\n", 1)[1].split("```", 1)[0]
+    assert drawn == _run().stdout, (
+        "docs/architecture.md's graph is stale: run "
+        "`python scripts/import_graph.py --update-doc docs/architecture.md` and check its "
+        "paragraphs still describe the rooms")
