@@ -94,7 +94,8 @@ def test_plots_of_the_committed_runs(tmp_path, capsys):
                        ("megatron", "megatron_h200x4_202611")):
         folder = tmp_path / name
         shutil.copytree(RESULTS / name, folder)
-        plot_gpu_suite.main([what, str(folder)])
+        # Run 1 of each report, from its runs.csv / runs.jsonl.
+        plot_gpu_suite.main([what, str(folder), "--run", "run1"])
     out = capsys.readouterr().out
     assert "| gemma2_2b | 4 | off | 19.6 / 209 |" in out
     assert "| tp4 | 200 | 8.5708 / 8.5714 |" in out

@@ -10,6 +10,11 @@ megatron   megatron_<layout>_<impl>.jsonl -> loss_curves.png, and per layout: fi
 pp-memory  pp_<model>_measured.csv -> predicted_vs_measured.csv/.png: each measured stage beside
            what lce_train.pp_memory predicts now (the CSVs' own predictions are those of the model
            when the run was made)
+
+The reports under docs/benchmarks/ keep a run's records compact: ``runs.csv`` (every benchmark
+CSV of the page, with ``run`` and ``table`` columns) and ``runs.jsonl`` (one line per launcher
+run with the per-step fields read here, one per micro-batch search). Where a folder has no raw
+files, ``parallel`` and ``megatron`` read those instead, for ``--run`` (default: the last run).
 """
 
 from __future__ import annotations
@@ -46,8 +51,29 @@ def read_csv(path: Path) -> list[dict]:
 SHOWN = ("ours", "ours-lean", "megatron")
 
 
-def parallel(folder: Path) -> None:
-    rows = read_csv(folder / "bench_parallel.csv")
+def compact_run(runs: list[str], run: str | None, path: Path) -> str:
+    """``run``, checked against the runs of a compact file, or its last one."""
+    if not runs:
+        raise SystemExit(f"{path}: no runs of this kind")
+    if run is None:
+        return runs[-1]
+    if run not in runs:
+        raise SystemExit(f"{path}: no run {run!r}; runs: {', '.join(runs)}")
+    return run
+
+
+def parallel_rows(folder: Path, run: str | None = None) -> list[dict]:
+    """bench_parallel.csv of ``folder``, else the bench_parallel rows of ``run`` in runs.csv."""
+    if (folder / "bench_parallel.csv").exists():
+        return read_csv(folder / "bench_parallel.csv")
+    rows = [r for r in read_csv(folder / "runs.csv") if r["table"] == "bench_parallel"]
+    run = compact_run(list(dict.fromkeys(r["run"] for r in rows)), run, folder / "runs.csv")
+    return [{k: v for k, v in r.items() if k not in ("run", "table") and v != ""}
+            for r in rows if r["run"] == run]
+
+
+def parallel(folder: Path, run: str | None = None) -> None:
+    rows = parallel_rows(folder, run)
     models = sorted({r["model"] for r in rows})
     plt = _pyplot()
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
@@ -103,11 +129,24 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def megatron(folder: Path, skip: int = 10) -> None:
-    runs = {}
-    for path in sorted(folder.glob("megatron_*_*.jsonl")):
-        _, layout, impl = path.stem.split("_")
-        runs[(layout, impl)] = read_jsonl(path)
+def launcher_runs(folder: Path, run: str | None = None) -> tuple[dict, list[dict]]:
+    """{(layout, impl): step records} of the launcher's megatron_<layout>_<impl>.jsonl logs, and
+    the max_mbs_*.json results; from runs.jsonl (for ``run``) where the folder has no logs."""
+    logs = sorted(folder.glob("megatron_*_*.jsonl"))
+    if logs or not (folder / "runs.jsonl").exists():
+        runs = {tuple(p.stem.split("_")[1:]): read_jsonl(p) for p in logs}
+        return runs, [json.loads(p.read_text()) for p in sorted(folder.glob("max_mbs_*.json"))]
+    lines = read_jsonl(folder / "runs.jsonl")
+    run = compact_run(list(dict.fromkeys(x["run"] for x in lines if "records" in x)), run,
+                      folder / "runs.jsonl")
+    mine = sorted((x for x in lines if x["run"] == run), key=lambda x: x["name"])
+    runs = {tuple(x["name"].split("_")[1:]): x["records"] for x in mine
+            if x["name"].startswith("megatron_")}
+    return runs, [x["result"] for x in mine if x["name"].startswith("max_mbs_")]
+
+
+def megatron(folder: Path, skip: int = 10, run: str | None = None) -> None:
+    runs, searches = launcher_runs(folder, run)
     layouts = sorted({k[0] for k in runs})
     plt = _pyplot()
     fig, axes = plt.subplots(2, len(layouts), figsize=(6 * len(layouts), 7), squeeze=False,
@@ -137,8 +176,7 @@ def megatron(folder: Path, skip: int = 10) -> None:
     fig.tight_layout()
     fig.savefig(folder / "loss_curves.png", dpi=110)
     print(f"\nwrote {folder / 'loss_curves.png'}")
-    for path in sorted(folder.glob("max_mbs_*.json")):
-        result = json.loads(path.read_text())
+    for result in searches:
         print(f"{result['impl']}: largest micro-batch {result['max_micro_batch']} x "
               f"{result['seq_length']} = {result['max_tokens']} tokens (TP {result['tp']}, "
               f"SP {result['sp']}, {result['num_layers']} layers)")
@@ -208,8 +246,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("parallel", "megatron", "pp-memory"))
     parser.add_argument("folder", type=Path)
+    parser.add_argument("--run", default=None,
+                        help="the run of the folder's runs.csv / runs.jsonl (default: the last)")
     args = parser.parse_args(argv)
-    {"parallel": parallel, "megatron": megatron, "pp-memory": pp_memory}[args.what](args.folder)
+    if args.what == "pp-memory":
+        pp_memory(args.folder)
+    else:
+        {"parallel": parallel, "megatron": megatron}[args.what](args.folder, run=args.run)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ train like megatron's own? (issue 7; results and the recipe in docs/training_equ
 
     python scripts/training_equivalence.py run --out out/equivalence       # the matrix, on GPUs
     python scripts/training_equivalence.py report --out out/equivalence    # plots, CSV, table
+    python scripts/training_equivalence.py compact --out out/equivalence --dest runs.jsonl.gz
+    python scripts/training_equivalence.py report --out docs/training_equivalence/runs.jsonl.gz
     python scripts/training_equivalence.py run --cpu-smoke --out /tmp/eq --corpora zipf
 
 ``run`` trains every (corpus, variant, seed) of configs/experiments/training_equivalence.yaml
@@ -433,6 +435,9 @@ class Run:
 
 
 def read_runs(out: Path) -> list[Run]:
+    """The runs of a folder of logs, or of a compact file (``compact``) of them."""
+    if out.is_file():
+        return read_compact(out)
     runs = []
     for path in sorted(out.glob("*.jsonl")):
         job = parse_run_name(path.stem)
@@ -440,6 +445,99 @@ def read_runs(out: Path) -> list[Run]:
         if job is not None and records:
             runs.append(Run(job, records))
     return runs
+
+
+# ----------------------------------------------------------------------------------------------
+# compact: one small file in place of a folder of logs
+# ----------------------------------------------------------------------------------------------
+
+# What ``report`` reads of a run's records besides the step, its loss and its time.
+_VALID_KEYS = ("valid_loss", "valid_unseen_loss", "valid_unseen_targets")
+
+
+def compact_line(run: Run) -> str:
+    """One JSON line holding what ``report`` reads of ``run``: the train loss and step time of
+    every step, the validation losses and the probes where they ran. The launcher logs float32
+    losses as doubles: each is written at float32's shortest repr, and read back through
+    float32, bit for bit."""
+    records = run.records
+    steps = [r["step"] for r in records]
+    contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
+    for r in records:
+        loss = r.get("loss")
+        if loss is not None and float(np.float32(loss)) != loss:
+            raise ValueError(f"{run.job.name} step {r['step']}: loss {loss!r} is no float32")
+    losses = ",".join("null" if r.get("loss") is None else str(np.float32(r["loss"]))
+                      for r in records)
+    fields = {
+        "run": run.job.name,
+        "first_step" if contiguous else "step": steps[0] if contiguous else steps,
+        "step_s": [r.get("step_s") for r in records],
+        "valid": {key: [[r["step"], r[key]] for r in records if r.get(key) is not None]
+                  for key in _VALID_KEYS},
+        "probe": [[r["step"], {k: v for k, v in r["probe"].items()
+                               if k in ("grad_rel_err", "unseen_mass", "error")}]
+                  for r in records if "probe" in r],
+    }
+    head = json.dumps(fields)[:-1]
+    return f'{head}, "loss": [{losses}]}}'
+
+
+def read_compact(path: Path) -> list[Run]:
+    """The runs of a file written by ``compact`` (plain or gzipped JSON lines)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    runs = []
+    with opener(path, "rt") as f:
+        for line in f:
+            fields = json.loads(line)
+            if "run" not in fields:  # the header: how the runs were made
+                continue
+            losses = fields["loss"]
+            steps = fields.get("step") or list(range(fields["first_step"],
+                                                     fields["first_step"] + len(losses)))
+            records = [{"step": step, "loss": None if loss is None else float(np.float32(loss)),
+                        "step_s": step_s}
+                       for step, loss, step_s in zip(steps, losses, fields["step_s"])]
+            by_step = {r["step"]: r for r in records}
+            for key, pairs in fields["valid"].items():
+                for step, value in pairs:
+                    by_step[step][key] = value
+            for step, probe in fields["probe"]:
+                by_step[step]["probe"] = probe
+            runs.append(Run(parse_run_name(fields["run"]), records))
+    return runs
+
+
+def cmd_compact(args) -> int:
+    """Folder of logs -> one gzipped JSON-lines file: a header line (each ``runs*.json``'s
+    environment, overrides and wall time, and its runs' exit codes and wall times), then one
+    line per run (``compact_line``)."""
+    import gzip
+
+    out = Path(args.out)
+    runs = read_runs(out)
+    if not runs:
+        raise SystemExit(f"no <corpus>_<variant>_s<seed>.jsonl logs in {out}")
+    batches = {}
+    for path in sorted(out.glob("runs*.json")):
+        batch = json.loads(path.read_text())
+        batches[path.name] = {
+            "environment": batch.get("environment"), "steps": batch.get("steps"),
+            "overrides": batch.get("overrides"), "wall_s": batch.get("wall_s"),
+            "runs": {r["name"]: {k: r.get(k) for k in ("returncode", "wall_s")}
+                     for r in batch.get("runs", [])},
+        }
+    header = {"experiment": f"scripts/lce_train/training_equivalence.py run, {args.config}",
+              "batches": batches}
+    dest = Path(args.dest)
+    with gzip.open(dest, "wt") as f:
+        f.write(json.dumps(header) + "\n")
+        for run in runs:
+            f.write(compact_line(run) + "\n")
+    print(f"wrote {len(runs)} runs to {dest} ({dest.stat().st_size / 2**20:.2f} MiB)")
+    return 0
 
 
 def _spread(values: list[float]) -> dict:
@@ -718,7 +816,7 @@ def cmd_report(args) -> int:
     if not runs:
         raise SystemExit(f"no <corpus>_<variant>_s<seed>.jsonl logs in {out}")
     exp = load_experiment(args.config)
-    dest = Path(args.dest) if args.dest else out
+    dest = Path(args.dest) if args.dest else out.parent if out.is_file() else out
     dest.mkdir(parents=True, exist_ok=True)
 
     import matplotlib
@@ -781,12 +879,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the commands only")
     run.set_defaults(func=cmd_run)
     report = sub.add_parser("report", help="plots, CSV, table and target checks from the logs")
-    report.add_argument("--out", required=True, help="folder of the logs (and outputs)")
+    report.add_argument("--out", required=True,
+                        help="folder of the logs (and outputs), or a file written by compact")
     report.add_argument("--config", default=str(DEFAULT_CONFIG))
     report.add_argument("--dest", default=None,
                         help="folder for the PNGs, final.csv and summary.md (default: --out)")
     report.add_argument("--strict", action="store_true", help="exit 1 if a target fails")
     report.set_defaults(func=cmd_report)
+    compact = sub.add_parser("compact", help="a folder of logs -> one small file for report")
+    compact.add_argument("--out", required=True, help="folder of the logs")
+    compact.add_argument("--dest", required=True, help="the file to write (.jsonl.gz)")
+    compact.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(ROOT)))
+    compact.set_defaults(func=cmd_compact)
     return p
 
 
