@@ -194,7 +194,7 @@ def disagreement_message(described: list[dict[str, str]]) -> str:
 
 def _check_tiling(rows: list[int], starts: list[int]) -> int:
     """The total rows, if the shards tile [0, total) without gap or overlap; else raise."""
-    order = sorted(range(len(rows)), key=lambda r: (starts[r], rows[r]))
+    order = sorted(range(len(rows)), key=lambda r: starts[r])
     expected = 0
     for r in order:
         if starts[r] != expected:
@@ -231,18 +231,23 @@ def _int_or(value, default: int) -> int:
 
 
 def host_group(group):
-    """(a group of the same ranks whose collectives take CPU tensors, its rank of each of
-    ``group``'s ranks): the group itself when its backend is gloo, else a gloo group created once
-    (only its members take part)."""
+    """(a group of the same ranks whose collectives take CPU tensors, its rank for each of
+    ``group``'s ranks, or None if the same): the group itself when its backend is gloo, else a
+    gloo group made once."""
     if "gloo" in str(dist.get_backend(group)):
         return group, None
     cached = _host_groups.get(group)
     if cached is None:
-        ranks = dist.get_process_group_ranks(group)
-        cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        order = [dist.get_group_rank(cpu_group, g) for g in ranks]
-        cached = _host_groups[group] = (cpu_group, order)
+        cached = _host_groups[group] = make_host_group(group)
     return cached
+
+
+def make_host_group(group):
+    """A new gloo group of ``group``'s ranks; only they take part in making it, so every
+    tensor-parallel group can make its own at its first call."""
+    ranks = dist.get_process_group_ranks(group)
+    cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return cpu_group, [dist.get_group_rank(cpu_group, g) for g in ranks]
 
 
 def _all_gather_words(words: list[int], group) -> list[list[int]]:
