@@ -92,13 +92,19 @@ _OWN_MESSAGE = ("an option only rank 1 rejects", "arguments only rank 1 rejects 
 
 def disagreement_suite(rank: int, world: int, device: str, impl: str,
                        names: tuple[str, ...] | None = None) -> list[str]:
-    """Every case (or those named) in turn; the mismatches, one message each."""
+    """Every case (or those named) in turn; the mismatches, one message each. ``device``:
+    "cpu", or "cuda" for this rank's GPU."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
+    if device == "cuda":
+        device = f"cuda:{rank}"
     errors = []
-    for name, calls, pattern in disagreement_cases(rank, device, impl):
-        if names is not None and name not in names:
-            continue
+    cases = disagreement_cases(rank, device, impl)
+    if names is not None:
+        cases = [c for c in cases if c[0] in names]
+        if len(cases) != len(names):
+            return [f"rank={rank}: no case named {sorted(set(names) - {c[0] for c in cases})}"]
+    for name, calls, pattern in cases:
         label = f"tp={world} rank={rank} '{name}'"
         outcome = None
         try:
