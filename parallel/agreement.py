@@ -176,6 +176,9 @@ def agree_on_call(
     else:
         starts = [sum(rows[:r]) for r in range(len(rows))]
     total = _check_tiling(rows, starts)
+    if total == 0:
+        raise ValueError(f"the weight shards hold no rows together (shard sizes {rows}): the "
+                         "vocabulary needs at least one class")
 
     num_classes = total if vocab_size is None else vocab_size
     if num_classes > total:
