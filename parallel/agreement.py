@@ -34,11 +34,12 @@ tell it that a peer differs. What a training step must not pay is a device-to-ho
 synchronisation (it drains the GPU's queue and stops the host from running ahead). So the check
 runs on the host: over the group itself when it is a gloo group (CPU tensors), and otherwise over
 a gloo group of the same ranks, created once per group (``new_group(..., backend="gloo",
-use_local_synchronization=True)``, so only the group's members take part). Per call this is one
-host-to-host all-gather of TP x 7 int64 and ~20 us of Python to describe the call; the GPU queue
-is not touched. The target range check (``check_targets=True``, the default) does read the GPU:
-the smallest and largest target are copied to the host, the one device synchronisation the
-layer had before; with ``check_targets=False`` (the megatron adapter) there is none.
+use_local_synchronization=True)``, so only the group's members take part; comm.host_group).
+Per call this is one host-to-host all-gather of TP x 7 int64 and ~25 us of Python to describe
+the call; the GPU queue is not touched. The target range check (``check_targets=True``, the
+default) does read the GPU: the smallest and largest target are copied to the host, the one
+device synchronisation the layer had before; with ``check_targets=False`` (the megatron
+adapter) there is none.
 
 What is cached: the gloo group per process group, nothing else. Measured with
 scripts/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other jobs, so
@@ -61,16 +62,14 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from . import comm
 
 # Targets of a rank that has none to check: no class is outside any range.
 _NO_TARGET_MIN = 2**62
 _NO_TARGET_MAX = -(2**62)
 
 _WORDS = ("failed", "signature", "rows", "start_given", "start", "target_min", "target_max")
-
-_host_groups: dict = {}
-
 
 @dataclass(frozen=True)
 class AgreedLayout:
@@ -146,13 +145,13 @@ def agree_on_call(
         lo,
         hi,
     ]
-    table = _all_gather_words(words, group)
+    table = comm.all_gather_host_ints(words, group)
     columns = {name: [row[i] for row in table] for i, name in enumerate(_WORDS)}
-    me = dist.get_rank(group)
+    me = comm.rank(group)
 
     if any(columns["failed"]):
-        messages = _all_gather_objects(f"{type(error).__name__}: {error}" if failed else None,
-                                       group)
+        mine = f"{type(error).__name__}: {error}" if failed else None
+        messages = comm.all_gather_host_objects(mine, group)
         if failed:
             raise error
         rejected = "; ".join(f"rank {r} rejected its arguments: {m}"
@@ -160,7 +159,7 @@ def agree_on_call(
         raise ValueError(rejected)
 
     if len(set(columns["signature"])) > 1:
-        described = _all_gather_objects(facts, group)
+        described = comm.all_gather_host_objects(facts, group)
         raise ValueError(disagreement_message(described))
 
     rows, starts = columns["rows"], columns["start"]
@@ -238,45 +237,3 @@ def _int_or(value, default: int) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     return default
-
-
-def host_group(group):
-    """(a group of the same ranks whose collectives take CPU tensors, its rank for each of
-    ``group``'s ranks, or None if the same): the group itself when its backend is gloo, else a
-    gloo group made once."""
-    if "gloo" in str(dist.get_backend(group)):
-        return group, None
-    cached = _host_groups.get(group)
-    if cached is None:
-        cached = _host_groups[group] = make_host_group(group)
-    return cached
-
-
-def make_host_group(group):
-    """A new gloo group of ``group``'s ranks; only they take part in making it, so every
-    tensor-parallel group can make its own at its first call."""
-    ranks = dist.get_process_group_ranks(group)
-    cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return cpu_group, [dist.get_group_rank(cpu_group, g) for g in ranks]
-
-
-def _all_gather_words(words: list[int], group) -> list[list[int]]:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [words]
-    cpu_group, order = host_group(group)
-    local = torch.tensor(words, dtype=torch.int64)
-    out = local.new_empty((size, len(words)))
-    dist.all_gather_into_tensor(out.view(-1), local, group=cpu_group)
-    table = out.tolist()
-    return table if order is None else [table[i] for i in order]
-
-
-def _all_gather_objects(obj, group) -> list:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [obj]
-    cpu_group, order = host_group(group)
-    out = [None] * size
-    dist.all_gather_object(out, obj, group=cpu_group)
-    return out if order is None else [out[i] for i in order]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from helpers_agreement import disagreement_suite
 from helpers_parallel import run_on_ranks
 
-from fused_lce.parallel import agreement
+from fused_lce.parallel import agreement, comm
 
 PG_TIMEOUT_S = 15
 
@@ -37,8 +37,8 @@ def _host_group_suite(rank: int, world: int) -> list[str]:
         dist.new_group).parameters else {}
     tp_groups = [dist.new_group([0, 1]), dist.new_group([3, 2], **unsorted)]
     mine = tp_groups[rank // 2]
-    agreement._host_groups[mine] = agreement.make_host_group(mine)
-    table = agreement._all_gather_words([rank, 7], mine)
+    comm._host_groups[mine] = comm.make_host_group(mine)  # what a NCCL group gets
+    table = comm.all_gather_host_ints([rank, 7], mine)
     expected = [[g, 7] for g in dist.get_process_group_ranks(mine)]
     return [] if table == expected else [f"rank {rank}: gathered {table}, expected {expected}"]
 
