@@ -13,7 +13,8 @@ every rank and prints the slowest rank's figures:
   with ``check_targets`` off and on (on: the targets' min and max are read from the GPU);
 - ``step``: forward+backward of the layer, median over ``--iters`` after ``--warmup``, with the
   agreement and with it replaced by a stub that returns the layout without communicating (what
-  the layer did before with an explicit layout): the difference is the agreement's cost;
+  the layer did before with an explicit layout), the two taken in turn: the difference is the
+  agreement's cost;
 - ``host blocked``: the GPU is kept busy (``torch.cuda._sleep``, ~``--busy-ms``) and the host
   time of one forward call is taken: a forward that waits for the GPU (a device synchronisation)
   takes about the busy time, one that does not returns in the time it takes to launch.
@@ -25,6 +26,7 @@ of describing the call and of the target check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -100,19 +102,21 @@ def time_agreement(call, iters: int) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-def time_steps(step, device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def time_steps(steps: dict, device, iters: int, warmup: int) -> dict[str, float]:
+    """Median ms of each of ``steps`` (name -> (setup, step)), taken in turn in every iteration
+    so that drift (clocks, other jobs) falls on all of them alike."""
+    times = {name: [] for name in steps}
+    for i in range(warmup + iters):
+        for name, (setup, step) in steps.items():
+            with setup():
+                dist.barrier()
+                sync(device)
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                if i >= warmup:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def host_time_of_forward(forward, device, busy_ms: float) -> float:
@@ -182,20 +186,25 @@ def main(argv=None) -> None:
         loss.backward()
         hidden.grad = weight.grad = None
 
-    real_agree = agreement.agree_on_call
+    @contextlib.contextmanager
+    def stubbed():
+        """The agreement replaced by the layout it would return, without communicating (what
+        the layer did before with an explicit layout)."""
+        real = agreement.agree_on_call
 
-    def stub(group, *, vocab_start_index, vocab_size, **_):
-        return agreement.AgreedLayout(start=vocab_start_index, num_classes=vocab_size,
-                                      total_rows=vocab_size)
+        def stub(group, *, vocab_start_index, vocab_size, **_):
+            return agreement.AgreedLayout(start=vocab_start_index, num_classes=vocab_size,
+                                          total_rows=vocab_size)
 
-    results["step with agreement"] = time_steps(step, device, args.iters, args.warmup)
-    agreement.agree_on_call = stub
-    try:
-        results["step without agreement (stub)"] = time_steps(step, device, args.iters,
-                                                              args.warmup)
-    finally:
-        agreement.agree_on_call = real_agree
-    results["step with agreement, again"] = time_steps(step, device, args.iters, args.warmup)
+        agreement.agree_on_call = stub
+        try:
+            yield
+        finally:
+            agreement.agree_on_call = real
+
+    results.update(time_steps({"step with agreement": (contextlib.nullcontext, step),
+                               "step without agreement (stub)": (stubbed, step)},
+                              device, args.iters, args.warmup))
 
     for check in (False, True):
         def forward(check=check):
