@@ -7,12 +7,17 @@ rank after an agreed call. Before parallel/agreement.py these aborted a process 
 hung until the process-group timeout, or returned different losses.
 
 Each spawned run has a short process-group timeout and pytest's own timeout, so a regression
-fails within a minute instead of hanging CI.
+fails within a minute instead of hanging CI. The host group that NCCL groups get is made here on
+gloo, and scripts/bench_agreement.py runs its CPU smoke mode.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -64,3 +69,17 @@ def test_signature_hash_is_stable_across_processes():
     assert agreement.signature_hash(facts) == agreement.signature_hash(dict(reversed(
         facts.items())))
     assert agreement.signature_hash(facts) == 7425073011819755590
+
+
+@pytest.mark.timeout(120)
+def test_bench_agreement_runs_on_cpu():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "scripts" / "bench_agreement.py"), "--cpu-smoke", "--iters", "1",
+           "--warmup", "0", "--agree-iters", "2"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for line in ("# agreement cost: TP=2", "agree later calls, check_targets=False",
+                 "step without agreement (stub)", "host blocked: forward host ms"):
+        assert line in proc.stdout, proc.stdout
