@@ -71,12 +71,17 @@ _host_groups: dict = {}
 def host_group(group):
     """(a group of ``group``'s ranks whose collectives take CPU tensors, the position in its
     results of each of ``group``'s ranks, or None where they are the same)."""
-    if "gloo" in str(dist.get_backend(group)):
+    if takes_cpu_tensors(group):
         return group, None
     cached = _host_groups.get(group)
     if cached is None:
         cached = _host_groups[group] = make_host_group(group)
     return cached
+
+
+def takes_cpu_tensors(group) -> bool:
+    """Whether ``group``'s collectives take CPU tensors (gloo, or a backend list with gloo)."""
+    return "gloo" in str(dist.get_backend(group))
 
 
 def make_host_group(group):

@@ -35,6 +35,22 @@ def test_every_rank_raises_when_ranks_disagree(tmp_path):
                  timeout_s=PG_TIMEOUT_S, interpret=True)
 
 
+def _through_host_group_suite(rank: int, world: int) -> list[str]:
+    """The cases with the group treated as NCCL's: the layer makes a gloo host group at its
+    first call and agrees over it."""
+    comm.takes_cpu_tensors = lambda group: False
+    errors = disagreement_suite(rank, world, "cpu", "chunked")
+    if not comm._host_groups:
+        errors.append(f"rank {rank}: no host group was made")
+    return errors
+
+
+@pytest.mark.timeout(90)
+def test_every_rank_raises_through_a_host_group(tmp_path):
+    run_on_ranks(2, _through_host_group_suite, out_dir=tmp_path, timeout_s=PG_TIMEOUT_S,
+                 interpret=True)
+
+
 def _host_group_suite(rank: int, world: int) -> list[str]:
     """Two TP groups of two ranks each make their gloo host groups at the same time, each
     without the other's ranks (as on NCCL), and the gathered rows follow the group's rank order."""
