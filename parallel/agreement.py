@@ -72,6 +72,7 @@ _NO_TARGET_MAX = -(2**62)
 
 _WORDS = ("failed", "signature", "rows", "start_given", "start", "target_min", "target_max")
 
+
 @dataclass(frozen=True)
 class AgreedLayout:
     """What every rank agreed on: this rank's shard start and the number of classes."""
@@ -235,6 +236,7 @@ def _check_targets(lows: list[int], highs: list[int], num_classes: int,
 
 
 def _int_or(value, default: int) -> int:
+    """``value`` as a word of the table (an int within int64, clamped), or ``default``."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return max(-(2**62), min(value, 2**62))
     return default
