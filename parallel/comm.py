@@ -62,19 +62,57 @@ def reduce_scatter_first_dim(tensor: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_gather_ints(values: list[int], group, device: torch.device) -> torch.Tensor:
-    """(world, len(values)) int64: every rank's ``values``; one small collective."""
-    local = torch.tensor(values, dtype=torch.int64, device=device)
-    out = local.new_empty((world_size(group), len(values)))
-    dist.all_gather_into_tensor(out.view(-1), local, group=group)
-    return out
+# Host-side collectives: small agreements that must not wait for the GPU (parallel/agreement.py).
+# They run over a gloo group of the same ranks: the group itself when it is gloo, else one made
+# at the first use and kept.
+_host_groups: dict = {}
 
 
-def collective_device(group, fallback: torch.device) -> torch.device:
-    """Where the group's collectives expect tensors: CUDA for NCCL, the CPU for gloo."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo":
-        return torch.device("cpu")
-    return fallback
+def host_group(group):
+    """(a group of ``group``'s ranks whose collectives take CPU tensors, the position in its
+    results of each of ``group``'s ranks, or None where they are the same)."""
+    if takes_cpu_tensors(group):
+        return group, None
+    cached = _host_groups.get(group)
+    if cached is None:
+        cached = _host_groups[group] = make_host_group(group)
+    return cached
+
+
+def takes_cpu_tensors(group) -> bool:
+    """Whether ``group``'s collectives take CPU tensors (gloo, or a backend list with gloo)."""
+    return "gloo" in str(dist.get_backend(group))
+
+
+def make_host_group(group):
+    """A new gloo group of ``group``'s ranks, and its rank of each of them. Only they take part
+    in making it (``use_local_synchronization``), so every tensor-parallel group can make its own
+    at its first call, whatever the other groups are doing."""
+    ranks = dist.get_process_group_ranks(group)
+    cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return cpu_group, [dist.get_group_rank(cpu_group, g) for g in ranks]
+
+
+def all_gather_host_ints(values: list[int], group) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), in ``group``'s rank order; one
+    small all-gather on the host, no device synchronisation."""
+    size = world_size(group)
+    if size == 1:
+        return [list(values)]
+    cpu_group, order = host_group(group)
+    local = torch.tensor(values, dtype=torch.int64)
+    out = local.new_empty((size, len(values)))
+    dist.all_gather_into_tensor(out.view(-1), local, group=cpu_group)
+    table = out.tolist()
+    return table if order is None else [table[i] for i in order]
+
+
+def all_gather_host_objects(obj, group) -> list:
+    """Every rank's picklable ``obj``, in ``group``'s rank order (for error messages only)."""
+    size = world_size(group)
+    if size == 1:
+        return [obj]
+    cpu_group, order = host_group(group)
+    out = [None] * size
+    dist.all_gather_object(out, obj, group=cpu_group)
+    return out if order is None else [out[i] for i in order]

@@ -375,7 +375,8 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
 
     group = _tensor_parallel_group(gpt)
     weight = deferred.weight
-    # Megatron splits the (padded) vocabulary evenly: the layout is known, no collective needed.
+    # Megatron splits the (padded) vocabulary evenly: the layout is known (the per-call host
+    # agreement still checks that it tiles the vocabulary).
     padded = weight.shape[0] * dist.get_world_size(group)
     expected = getattr(gpt, "vocab_size", padded)
     if padded != expected:

@@ -23,9 +23,11 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
                                             than saved: saves (TP-1)/TP of N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
               reduce-scatter d_hidden       [N x D -> N/TP x D] fp32, in place on NCCL
-    per call  all-gather of shard layout    [TP x 3] int64 and a host sync, unless both
-                                            ``vocab_start_index`` and ``vocab_size`` are given
-    debug     all-gather of shapes          [TP x 5] int64, only with ``debug=True``
+    per call  agreement all-gather          [TP x 7] int64 on the host (gloo; no device sync),
+                                            before any other collective: shapes, options and
+                                            layout agree, the verdicts of every rank's checks
+                                            (parallel/agreement.py); with ``check_targets`` the
+                                            targets' min and max are read from the device first
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import check_target_range, resolve_impl, validate
+from fused_lce.api import resolve_impl, validate
 from fused_lce.options import LCEOptions, without_backward_options
 from fused_lce.terms import (
     GradCoefficients,
@@ -43,7 +45,7 @@ from fused_lce.terms import (
     token_loss,
 )
 
-from . import comm
+from . import agreement, comm
 
 
 def vocab_parallel_linear_cross_entropy(
@@ -90,13 +92,14 @@ def vocab_parallel_linear_cross_entropy(
         bias: (V_local,) this rank's shard of the bias, or None.
         group: the tensor-parallel process group (None: the default group).
         vocab_start_index: global id of this shard's first row; default from the group's shard
-            sizes (shards in rank order). Give it on every rank or on none. With ``vocab_size``
-            also given the layout is trusted and no collective checks it (``debug`` checks it).
+            sizes (shards in rank order). Give it on every rank or on none; the shards must
+            tile the vocabulary without gap or overlap (checked on every call).
         vocab_size: the true number of classes; rows at or past it (Megatron's vocabulary padding)
             are not classes. Default: the sum of the shards.
         sequence_parallel: ``input`` is sequence-sharded: all-gather it in, reduce-scatter its
             gradient out.
-        debug: one extra collective that checks that ranks agree on shapes and shards.
+        debug: accepted and ignored: the check it switched on (ranks agree on shapes and
+            shards) now runs on every call, with the options and the argument checks' verdicts.
         weight_grad_accumulator: an fp32 buffer of ``weight``'s shape (Megatron's ``main_grad``)
             into which the backward adds the weight gradient directly, instead of returning it
             in the weight's dtype; the weight then receives no ``.grad`` from this op (or, if it
@@ -111,71 +114,34 @@ def vocab_parallel_linear_cross_entropy(
         group = dist.group.WORLD
     if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of `group`")
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-    opts = LCEOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        z_loss=z_loss,
-        impl=impl,
-        backward=backward,
-        filter_eps=filter_eps,
-        vocab_sort=vocab_sort,
-        deterministic=deterministic,
-        round_logits=round_logits,
-        recompute_logits=recompute_logits,
-        vocab_chunk_size=vocab_chunk_size,
+    options = dict(
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+        softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
+        vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
+        recompute_logits=recompute_logits, vocab_chunk_size=vocab_chunk_size,
         scratch_mb=scratch_mb,
     )
-    if impl not in ("auto", "cce", "chunked"):
-        raise ValueError(f"impl must be 'auto', 'cce' or 'chunked' here, got {impl!r}")
-    for name, value in (("input", input), ("weight", weight), ("target", target)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if debug:
-        # Before any check that could raise on one rank only: the others would hang.
-        _check_agreement(input, weight, target, sequence_parallel, group)
-    tp = comm.world_size(group)
-    if sequence_parallel:
-        if input.dim() < 2:
-            raise ValueError("sequence_parallel needs input of shape (S / TP, ..., D)")
-        full_shape = (input.shape[0] * tp, *input.shape[1:-1])
-        if tuple(target.shape) != full_shape:
-            raise ValueError(
-                f"with sequence_parallel, target must cover the whole sequence: expected shape "
-                f"{full_shape} (input's first dimension times TP={tp}), got {tuple(target.shape)}"
-            )
+    # Every check that could fail on one rank only runs before the ranks' one agreement
+    # collective, which carries its verdict: a rank that raised alone would leave its peers
+    # waiting in the forward's first collective.
+    error, opts, targets = None, None, None
+    try:
+        opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
+                           vocab_start_index, vocab_size, weight_grad_accumulator)
+        if check_targets:
+            targets = agreement.target_range(target, ignore_index)
+    except Exception as exc:  # raised after the exchange, on every rank
+        error = exc
+    facts = _call_facts(input, weight, target, bias, weight_grad_accumulator, options,
+                        sequence_parallel=sequence_parallel, vocab_size=vocab_size,
+                        return_lse=return_lse, check_targets=check_targets)
+    agreed = agreement.agree_on_call(
+        group, facts=facts, shard_rows=weight.shape[0] if error is None else 0,
+        vocab_start_index=vocab_start_index, vocab_size=vocab_size, targets=targets,
+        ignore_index=ignore_index, error=error,
+    )
+    start, num_classes = agreed.start, agreed.num_classes
 
-    if vocab_start_index is not None and vocab_size is not None and not debug:
-        # The caller knows the layout (Megatron's adapter does): no collective, no host sync.
-        start, total = vocab_start_index, None
-    else:
-        start, total = _shard_start(weight.shape[0], vocab_start_index, group, weight.device)
-    num_classes = total if vocab_size is None else vocab_size
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if total is not None and num_classes > total:
-        raise ValueError(
-            f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
-        )
-    # The single-device checks (dtypes, devices, D, bias), with this shard as the weight and,
-    # under SP, the rows of target that match this rank's input; the target range is checked
-    # against the global vocabulary below.
-    local_target = target[: input.shape[0]] if sequence_parallel else target
-    validate(input, weight, local_target, bias, opts, check_targets=False)
-    if check_targets:
-        check_target_range(target, opts.ignore_index, num_classes)
-
-    if weight_grad_accumulator is not None and (
-        tuple(weight_grad_accumulator.shape) != tuple(weight.shape)
-        or weight_grad_accumulator.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"weight_grad_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
-            f"{weight_grad_accumulator.dtype} {tuple(weight_grad_accumulator.shape)}"
-        )
     local_classes = max(0, min(weight.shape[0], num_classes - start))
     opts = without_backward_options(opts, input, weight, bias)
     loss, lse = _VocabParallelLCE.apply(
@@ -299,56 +265,70 @@ def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch
     return hidden.reshape(-1, hidden.shape[-1])
 
 
-def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int, int]:
-    """(this shard's first global row, rows of all shards together), from one all-gather.
-
-    Not cached: a layout can change between calls (another vocabulary on the same group) while
-    one rank's shard keeps its size, and a rank that skipped the collective would hang the rest.
-    """
-    cdev = comm.collective_device(group, device)
-    facts = [local_rows, int(given is not None), 0 if given is None else given]
-    gathered = comm.all_gather_ints(facts, group, cdev).cpu()
-    rows, flags, starts = (gathered[:, i].tolist() for i in range(3))
-    me = comm.rank(group)
-    # Every rank sees the same gathered facts, so every rank raises, and none hangs.
-    if len(set(flags)) > 1:
-        raise ValueError("vocab_start_index must be given on every rank or on none")
-    if any(s < 0 for s in starts):
-        raise ValueError(f"vocab_start_index must be >= 0 on every rank, got {starts}")
-    if given is None:
-        offsets = [sum(rows[:r]) for r in range(len(rows))]
-    else:
-        offsets = starts
-    # Shards must tile [0, total) without gaps or overlaps.
-    order = sorted(range(len(rows)), key=lambda r: offsets[r])
-    expected = 0
-    for r in order:
-        if offsets[r] != expected:
+def _check_call(input, weight, target, bias, options: dict, group, sequence_parallel,
+                vocab_start_index, vocab_size, weight_grad_accumulator) -> LCEOptions:
+    """This rank's own checks (no collective): the options, and the single-device checks with
+    this shard as the weight; raises TypeError/ValueError naming the argument."""
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    opts = LCEOptions(**options)
+    if opts.impl not in ("auto", "cce", "chunked"):
+        raise ValueError(f"impl must be 'auto', 'cce' or 'chunked' here, got {opts.impl!r}")
+    for name, value in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in (("vocab_start_index", vocab_start_index), ("vocab_size", vocab_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {value!r}")
+    if vocab_size is not None and vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    tp = comm.world_size(group)
+    if sequence_parallel:
+        if input.dim() < 2:
+            raise ValueError("sequence_parallel needs input of shape (S / TP, ..., D)")
+        full_shape = (input.shape[0] * tp, *input.shape[1:-1])
+        if tuple(target.shape) != full_shape:
             raise ValueError(
-                f"vocabulary shards do not tile the vocabulary: rank {r} starts at {offsets[r]}, "
-                f"expected {expected} (shard sizes {rows}, starts {offsets})"
+                f"with sequence_parallel, target must cover the whole sequence: expected shape "
+                f"{full_shape} (input's first dimension times TP={tp}), got {tuple(target.shape)}"
             )
-        expected += rows[r]
-    return offsets[me], expected
-
-
-def _check_agreement(input, weight, target, sequence_parallel, group) -> None:
-    """Every rank raises if the ranks disagree on the shapes the collectives will move."""
-    cdev = comm.collective_device(group, input.device)
-    facts = [
-        input.numel() // max(input.shape[-1], 1) if input.dim() else -1,
-        input.shape[-1] if input.dim() else -1,
-        weight.shape[-1] if weight.dim() else -1,
-        target.numel(),
-        int(bool(sequence_parallel)),
-    ]
-    shapes = comm.all_gather_ints(facts, group, cdev).cpu().tolist()
-    if len({tuple(s) for s in shapes}) != 1:
+    # The single-device checks (dtypes, devices, D, bias), with this shard as the weight and,
+    # under SP, the rows of target that match this rank's input; the target range is checked
+    # against the global vocabulary by the agreement.
+    local_target = target[: input.shape[0]] if sequence_parallel else target
+    validate(input, weight, local_target, bias, opts, check_targets=False)
+    if weight_grad_accumulator is not None and (
+        tuple(weight_grad_accumulator.shape) != tuple(weight.shape)
+        or weight_grad_accumulator.dtype != torch.float32
+    ):
         raise ValueError(
-            "ranks disagree on (input tokens, input D, weight D, target tokens, "
-            "sequence_parallel): "
-            + ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
+            f"weight_grad_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
+            f"{weight_grad_accumulator.dtype} {tuple(weight_grad_accumulator.shape)}"
         )
+    return opts
+
+
+def _call_facts(input, weight, target, bias, weight_grad_accumulator, options: dict,
+                **more) -> dict[str, str]:
+    """What every rank's call must share, as readable strings (never raises): everything that
+    sets a collective's size or whether it runs, and every option."""
+    def wants_grad(x):
+        return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+    weight_is_tensor = isinstance(weight, torch.Tensor) and weight.dim() == 2
+    facts = {
+        "input": agreement.describe_tensor(input),
+        "target": agreement.describe_tensor(target),
+        "weight D and dtype": (f"{weight.shape[1]} {weight.dtype}" if weight_is_tensor
+                               else agreement.describe_tensor(weight)),
+        "bias": "None" if bias is None else str(getattr(bias, "dtype", type(bias).__name__)),
+        "device type": str(getattr(getattr(input, "device", None), "type", None)),
+        "gradients wanted (input, weight, bias)": str(tuple(wants_grad(x)
+                                                            for x in (input, weight, bias))),
+        "weight_grad_accumulator": str(weight_grad_accumulator is not None),
+    }
+    facts.update({name: repr(value) for name, value in {**options, **more}.items()})
+    return facts
 
 
 class _CCEShard:

@@ -22,7 +22,8 @@ Providers:
 - ``ours``: ``fused_lce.parallel.vocab_parallel_linear_cross_entropy`` (``--impl``, default
   "cce"): per-shard statistics without logits, one all-reduce MAX and one packed SUM, the
   backward recomputing each shard's logits. Called as the megatron adapter calls it: the even
-  shard layout given (no layout collective) and no target range check (no host sync).
+  shard layout given and no target range check (no device sync; the per-call agreement of
+  the ranks is one small all-gather on the host, parallel/agreement.py).
 - ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
 - ``ours-kept``: the same with ``recompute_logits=False``: the forward keeps each shard's logits
   as 16-bit exponentials (N x V_local x 2 bytes) and the backward does not recompute them.
@@ -344,8 +345,8 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     def ours(**extra):
-        # As the megatron adapter calls it: the even layout is known (no layout collective) and
-        # targets are not range-checked (no host sync), as megatron's own loss does not.
+        # As the megatron adapter calls it: the even layout is known and targets are not
+        # range-checked (no device sync), as megatron's own loss does not.
         return lambda h, w, t: vocab_parallel_linear_cross_entropy(
             h, w, t, group=group, vocab_start_index=vocab_start, vocab_size=v_rows,
             sequence_parallel=sp, softcap=softcap, impl=args.impl, check_targets=False, **extra

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_agreement import disagreement_suite
 from helpers_parallel import case, run_cases, run_on_ranks
 
 pytestmark = pytest.mark.requires_gpus(2)
@@ -63,3 +64,13 @@ def test_matches_single_device_nccl(world, tmp_path):
     # Generous timeout: the first call of each kernel compiles it.
     run_on_ranks(world, _suite, out_dir=tmp_path, backend="nccl", timeout_s=600,
                  interpret=False)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("impl", ["cce", "chunked"])
+def test_every_rank_raises_when_ranks_disagree_nccl(impl, tmp_path):
+    """tests/test_rank_agreement.py's cases on NCCL: the agreement runs on a gloo group of the
+    same ranks made at the first call; a regression shows as the short collective timeout."""
+    # The process-group timeout leaves room for the first call's kernel compilation.
+    run_on_ranks(2, disagreement_suite, "cuda", impl, out_dir=tmp_path, backend="nccl",
+                 timeout_s=120, interpret=False)

@@ -1,0 +1,242 @@
+"""Ranks agree on a call before any collective whose size depends on it.
+
+Every collective of the vocab-parallel layer has a size set by the call (N tokens, D, label
+smoothing adds a row to the packed SUM, SP gathers, whether a backward runs). If one rank's call
+differs, its collectives no longer pair with its peers': gloo aborts the process ("Received data
+size doesn't match") and NCCL waits for the process-group timeout. A rank that rejects its own
+arguments and raises leaves the others waiting in the first collective. So each call starts with
+one collective of a FIXED size that every rank enters before it can raise, and every rank reads
+the same gathered table and takes the same decision:
+
+    one all-gather of 7 int64 per rank: [validation failed, signature hash, shard rows,
+    vocab_start_index given, vocab_start_index, smallest target, largest target]
+
+- a rank whose arguments failed the local checks (options, dtypes, shapes, devices) sets its
+  flag: it raises its own error and every other rank raises "rank r rejected its arguments: ...";
+- the signature hash covers everything that must be equal on every rank (shapes, dtypes, device
+  type, which gradients a backward needs, sequence_parallel, vocab_size and every option): if the
+  hashes differ, every rank raises the same error naming each field that differs, per rank;
+- the shard layout (rows and given starts) must tile [0, total rows) without gap or overlap, and
+  ``vocab_size`` must not exceed the total: with the starts given explicitly this is the only
+  check they get;
+- the targets' range (with ``check_targets``) is checked against the agreed number of classes:
+  a target out of range on one rank is an error on every rank, naming the ranks.
+
+Only when something is wrong does a second, slower exchange follow (``all_gather_object`` of the
+messages or of the readable call descriptions) to build the message; the ranks enter it together
+because they all read the same table.
+
+Why every call, and not once per signature. A cache of signatures already agreed cannot be safe:
+a rank that skips the check because its signature is cached learns nothing about a peer whose call
+changed (a new N, say); the peer enters the check, this rank enters the forward's first
+collective, and the two hang or abort. No scheme in which some rank skips all communication can
+tell it that a peer differs. What a training step must not pay is a device-to-host
+synchronisation (it drains the GPU's queue and stops the host from running ahead). So the check
+runs on the host: over the group itself when it is a gloo group (CPU tensors), and otherwise over
+a gloo group of the same ranks, created once per group (``new_group(..., backend="gloo",
+use_local_synchronization=True)``, so only the group's members take part; comm.host_group).
+Per call this is one host-to-host all-gather of TP x 7 int64 and ~25 us of Python to describe
+the call; the GPU queue is not touched. The target range check (``check_targets=True``, the
+default) does read the GPU: the smallest and largest target are copied to the host, the one
+device synchronisation the layer had before; with ``check_targets=False`` (the megatron
+adapter) there is none.
+
+What is cached: the gloo group per process group, nothing else. Measured with
+scripts/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other jobs, so
+upper bounds): the first call 1-3 ms, later calls 0.3-0.6 ms, of which ~25 us is Python
+(describing and hashing the call) and the rest the loopback all-gather (two processes meeting
+on two busy cores); the layer's step at a tiny shape, timed in turn with the check stubbed
+out, took 6.60 against 6.52 ms (medians of 100). On NCCL the first call also makes the gloo
+group; the GPU figures at the Gemma-2 shape come from the same script.
+
+Deadlock: the host all-gather blocks this rank's host until every peer's host reaches the same
+call. In an SPMD program the peers issue the same collectives in the same order before it, and
+those run on their GPUs without their hosts, so no peer can be waiting for this rank's host.
+
+``debug=True`` of the layer, once an opt-in all-gather of shapes, is folded into this check,
+which is always on; the argument is accepted and does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+
+# Targets of a rank that has none to check: no class is outside any range.
+_NO_TARGET_MIN = 2**62
+_NO_TARGET_MAX = -(2**62)
+
+_WORDS = ("failed", "signature", "rows", "start_given", "start", "target_min", "target_max")
+
+
+@dataclass(frozen=True)
+class AgreedLayout:
+    """What every rank agreed on: this rank's shard start and the number of classes."""
+
+    start: int
+    num_classes: int
+    total_rows: int
+
+
+def describe_tensor(value) -> str:
+    """A short, never-raising description of an argument: shape and dtype of a tensor."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def signature_hash(facts: dict[str, str]) -> int:
+    """A 64-bit hash of the call's description, the same in every process (unlike hash())."""
+    text = repr(sorted(facts.items())).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def target_range(target: torch.Tensor, ignore_index: int) -> tuple[int, int]:
+    """(smallest, largest) target other than ``ignore_index``: one device-to-host copy."""
+    flat = target.reshape(-1).long()
+    if flat.numel() == 0:
+        return _NO_TARGET_MIN, _NO_TARGET_MAX
+    ignored = flat == ignore_index
+    lo = flat.masked_fill(ignored, _NO_TARGET_MIN).min()
+    hi = flat.masked_fill(ignored, _NO_TARGET_MAX).max()
+    lo, hi = torch.stack([lo, hi]).tolist()
+    return int(lo), int(hi)
+
+
+def agree_on_call(
+    group,
+    *,
+    facts: dict[str, str],
+    shard_rows: int,
+    vocab_start_index: int | None,
+    vocab_size: int | None,
+    targets: tuple[int, int] | None,
+    ignore_index: int,
+    error: Exception | None,
+) -> AgreedLayout:
+    """Check the call against every rank's; raise the same error on every rank if they differ.
+
+    Args:
+        group: the tensor-parallel process group (this process is a member).
+        facts: what must be equal on every rank, as readable strings (shapes, dtypes, options).
+        shard_rows: the rows of this rank's weight shard.
+        vocab_start_index: this shard's first global row, if the caller gave it.
+        vocab_size: the number of classes, if given (else the rows of all shards).
+        targets: (smallest, largest) non-ignored target, or None when not checked.
+        ignore_index: for the target error's message.
+        error: this rank's own validation failure, if any; it is raised after the exchange.
+
+    Returns:
+        The agreed layout; on every rank the same except ``start``.
+    """
+    failed = error is not None
+    lo, hi = targets if targets is not None and not failed else (_NO_TARGET_MIN, _NO_TARGET_MAX)
+    given = vocab_start_index is not None
+    words = [
+        int(failed),
+        0 if failed else signature_hash(facts),
+        _int_or(shard_rows, 0),
+        int(given),
+        _int_or(vocab_start_index, 0) if given else 0,
+        lo,
+        hi,
+    ]
+    table = comm.all_gather_host_ints(words, group)
+    columns = {name: [row[i] for row in table] for i, name in enumerate(_WORDS)}
+    me = comm.rank(group)
+
+    if any(columns["failed"]):
+        mine = f"{type(error).__name__}: {error}" if failed else None
+        messages = comm.all_gather_host_objects(mine, group)
+        if failed:
+            raise error
+        rejected = "; ".join(f"rank {r} rejected its arguments: {m}"
+                             for r, m in enumerate(messages) if m is not None)
+        raise ValueError(rejected)
+
+    if len(set(columns["signature"])) > 1:
+        described = comm.all_gather_host_objects(facts, group)
+        raise ValueError(disagreement_message(described))
+
+    rows, starts = columns["rows"], columns["start"]
+    if len(set(columns["start_given"])) > 1:
+        given_on = [r for r, g in enumerate(columns["start_given"]) if g]
+        raise ValueError(
+            f"vocab_start_index must be given on every rank or on none (given on ranks "
+            f"{given_on} of {len(rows)})"
+        )
+    if given:
+        if any(s < 0 for s in starts):
+            raise ValueError(f"vocab_start_index must be >= 0 on every rank, got {starts}")
+    else:
+        starts = [sum(rows[:r]) for r in range(len(rows))]
+    total = _check_tiling(rows, starts)
+    if total == 0:
+        raise ValueError(f"the weight shards hold no rows together (shard sizes {rows}): the "
+                         "vocabulary needs at least one class")
+
+    num_classes = total if vocab_size is None else vocab_size
+    if num_classes > total:
+        raise ValueError(
+            f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
+        )
+    _check_targets(columns["target_min"], columns["target_max"], num_classes, ignore_index)
+    return AgreedLayout(start=starts[me], num_classes=num_classes, total_rows=total)
+
+
+def disagreement_message(described: list[dict[str, str]]) -> str:
+    """"ranks disagree on ...", each differing field with every rank's value."""
+    keys = sorted({k for d in described for k in d})
+    parts = []
+    for key in keys:
+        values = [d.get(key, "<missing>") for d in described]
+        if len(set(values)) > 1:
+            parts.append(f"{key} (" + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                         + ")")
+    detail = "; ".join(parts) if parts else "the call's signature"
+    return f"ranks disagree on {detail}; every rank must make the same call"
+
+
+def _check_tiling(rows: list[int], starts: list[int]) -> int:
+    """The total rows, if the shards tile [0, total) without gap or overlap; else raise."""
+    order = sorted(range(len(rows)), key=lambda r: starts[r])
+    expected = 0
+    for r in order:
+        if starts[r] != expected:
+            kind = "overlap" if starts[r] < expected else "gap"
+            raise ValueError(
+                f"vocabulary shards do not tile the vocabulary ({kind}): rank {r} starts at "
+                f"{starts[r]}, expected {expected} (shard sizes {rows}, starts {starts})"
+            )
+        expected += rows[r]
+    return expected
+
+
+def _check_targets(lows: list[int], highs: list[int], num_classes: int,
+                   ignore_index: int) -> None:
+    bad = {}
+    for r, (lo, hi) in enumerate(zip(lows, highs)):
+        if lo < 0:
+            bad[r] = lo
+        elif hi >= num_classes and hi != _NO_TARGET_MAX:
+            bad[r] = hi
+    if bad:
+        first = next(iter(bad.values()))
+        raise ValueError(
+            f"target holds class {first}, outside [0, {num_classes}) and not ignore_index "
+            f"({ignore_index}), on rank(s) {sorted(bad)}: "
+            + ", ".join(f"rank {r}: {v}" for r, v in bad.items())
+        )
+
+
+def _int_or(value, default: int) -> int:
+    """``value`` as a word of the table (an int within int64, clamped), or ``default``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return max(-(2**62), min(value, 2**62))
+    return default
