@@ -31,10 +31,12 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import check_target_range, resolve_impl, validate
+from fused_lce.api import check_target_range, class_ids, resolve_impl, validate
 from fused_lce.options import LCEOptions, without_backward_options
 from fused_lce.terms import (
     GradCoefficients,
@@ -170,6 +172,7 @@ def vocab_parallel_linear_cross_entropy(
     validate(input, weight, local_target, bias, opts, check_targets=False)
     if check_targets:
         check_target_range(target, opts.ignore_index, num_classes)
+    target = class_ids(target)
 
     if weight_grad_accumulator is not None and (
         tuple(weight_grad_accumulator.shape) != tuple(weight.shape)
@@ -302,7 +305,7 @@ def _pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     hidden = comm.all_gather_first_dim(input, group) if sequence_parallel else input
-    return hidden.reshape(-1, hidden.shape[-1])
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # D = 0 too
 
 
 def _shard_start(local_rows: int, given: int | None, group, device) -> tuple[int, int]:
