@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers import rel_err
 
 
 def confident_problem(
@@ -60,3 +61,52 @@ def strided(x: torch.Tensor, decoy: torch.Tensor | float) -> torch.Tensor:
 def transposed(x: torch.Tensor) -> torch.Tensor:
     """A 2-D ``x`` stored column-major: the same values, strides (1, rows)."""
     return x.t().contiguous().t()
+
+
+# The precision bound of confident tokens: 10x torch's fp32 error against float64, plus what no
+# fp32 computation can beat.
+PRECISION_FACTOR = 10.0
+FP32_FLOOR = 1e-7
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest relative error of any entry (of any row's norm, for 2-D tensors)."""
+    actual = actual.detach().to("cpu", torch.float64)
+    expected = expected.detach().to("cpu", torch.float64)
+    if expected.dim() <= 1:
+        return ((actual - expected).abs() / expected.abs()).max().item()
+    return ((actual - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
+
+
+def upstream(loss: torch.Tensor) -> torch.Tensor:
+    """A scalar of the loss with a different weight per token."""
+    if loss.dim() == 0:
+        return loss
+    weights = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device)
+    return (loss * weights).sum()
+
+
+def cross_entropy_run(hidden, weight, target, bias, dtype, reduction, device="cpu"):
+    """torch's ``F.cross_entropy`` on full logits in ``dtype``: {loss, lse, d_input, d_weight}."""
+    h, w = (x.to(device, dtype).clone().requires_grad_() for x in (hidden, weight))
+    logits = h @ w.t()
+    if bias is not None:
+        logits = logits + bias.to(device, dtype)
+    loss = torch.nn.functional.cross_entropy(logits, target.to(device), reduction=reduction)
+    upstream(loss).backward()
+    lse = torch.logsumexp(logits.detach(), 1)
+    return {"loss": loss.detach(), "lse": lse, "d_input": h.grad, "d_weight": w.grad}
+
+
+def precision_failures(ours: dict, exact: dict, fp32: dict) -> list[str]:
+    """Quantities of ``ours`` (None: not computed) less precise than PRECISION_FACTOR x torch's
+    fp32 run against the fp64 one; the weight gradient by its norm, the rest per token."""
+    failures = []
+    for name, value in ours.items():
+        if value is None:
+            continue
+        measure = rel_err if name == "d_weight" else max_rel_err
+        err, base = measure(value, exact[name]), measure(fp32[name], exact[name])
+        if not err <= PRECISION_FACTOR * base + FP32_FLOOR:
+            failures.append(f"{name}: relative error {err:.2e}, torch fp32 {base:.2e}")
+    return failures

@@ -10,7 +10,8 @@ Each rank holds half of the classifier (uneven: 102 and 101 rows) and runs
 - ``create_graph=True`` raises the same clear error on every rank (nothing hangs: the check runs
   before the backward's first collective); uint8 targets with classes past 127, and D = 0.
 
-Every test has a hard timeout, so a regression that hangs a collective fails instead.
+Every test has a hard timeout, so a regression that hangs a collective fails instead. The same
+suites run on NCCL with the real kernels in test_parallel_reliability_gpu.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import torch.nn.functional as F
 from helpers import rel_err
 from helpers_lce import ATOL, make_problem
 from helpers_parallel import run_on_ranks
-from helpers_reliability import confident_problem, strided, transposed
+from helpers_reliability import (
+    FP32_FLOOR,
+    PRECISION_FACTOR,
+    confident_problem,
+    max_rel_err,
+    strided,
+    transposed,
+)
 
 from fused_lce.options import LCEOptions
 from fused_lce.reference import reference_linear_cross_entropy
@@ -31,8 +39,11 @@ from fused_lce.reference import reference_linear_cross_entropy
 N, V, D = 30, 203, 24
 SHARDS = ((0, 102), (102, 203))
 IMPLS = ("chunked", "cce")
-PRECISION_FACTOR = 10.0
-FP32_FLOOR = 1e-7
+
+
+def _device(rank: int, kind: str) -> torch.device:
+    """Where this rank computes: the CPU (gloo) or its own GPU (NCCL)."""
+    return torch.device("cpu") if kind == "cpu" else torch.device("cuda", rank)
 
 
 def _reference(hidden, weight, target, bias, **options):
@@ -51,13 +62,13 @@ def _objective(loss, lse):
     return (loss * weights).sum() + 0.1 * (lse * weights.flip(0)).sum()
 
 
-def _parallel(rank, hidden, weight, target, bias, impl, **options):
+def _parallel(rank, hidden, weight, target, bias, impl, device, **options):
     """The layer on this rank's shard: (loss, lse, d_input, d_weight shard, d_bias shard)."""
     lo, hi = SHARDS[rank]
-    h = hidden.detach().clone().requires_grad_()
-    w = weight[lo:hi].detach().clone().requires_grad_()
-    b = None if bias is None else bias[lo:hi].detach().clone().requires_grad_()
-    return _run_layer(h, w, target, b, impl, **options)
+    h = hidden.detach().to(device).clone().requires_grad_()
+    w = weight[lo:hi].detach().to(device).clone().requires_grad_()
+    b = None if bias is None else bias[lo:hi].detach().to(device).clone().requires_grad_()
+    return _run_layer(h, w, target.to(device), b, impl, **options)
 
 
 def _run_layer(h, w, target, b, impl, **options):
@@ -66,7 +77,8 @@ def _run_layer(h, w, target, b, impl, **options):
     loss, lse = vocab_parallel_linear_cross_entropy(h, w, target, b, impl=impl,
                                                     reduction="none", return_lse=True, **options)
     _objective(loss, lse).backward()
-    return loss.detach(), lse.detach(), h.grad, w.grad, None if b is None else b.grad
+    grads = (h.grad, w.grad, None if b is None else b.grad)
+    return tuple(None if x is None else x.detach().cpu() for x in (loss, lse, *grads))
 
 
 def _check(errors, label, ours, want, rank):
@@ -86,8 +98,9 @@ def _check(errors, label, ours, want, rank):
 # ---------------------------------------------------------------------------------------------
 
 
-def _strided_suite(rank: int, world: int) -> list[str]:
+def _strided_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
     errors = []
+    device = _device(rank, kind)
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", 0.1,
                                                 bias=True, seed=21)
     want = _reference(hidden, weight, target, bias)
@@ -95,10 +108,10 @@ def _strided_suite(rank: int, world: int) -> list[str]:
     for impl in IMPLS:
         for which in ("input", "weight", "weight-column-major", "target", "bias"):
             label = f"rank={rank} {impl} strided {which}"
-            h = hidden.clone()
-            w = weight[lo:hi].clone()
-            b = bias[lo:hi].clone()
-            t = target
+            h = hidden.to(device).clone()
+            w = weight[lo:hi].to(device).clone()
+            b = bias[lo:hi].to(device).clone()
+            t = target.to(device)
             if which == "input":
                 h = strided(h, 1e4)
             elif which == "weight":
@@ -106,7 +119,7 @@ def _strided_suite(rank: int, world: int) -> list[str]:
             elif which == "weight-column-major":
                 w = transposed(w)
             elif which == "target":
-                t = strided(target, (target + 1) % V)
+                t = strided(t, (t + 1) % V)
             else:
                 b = strided(b, 1e4)
             try:
@@ -128,37 +141,31 @@ def test_strided_arguments(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _torch_errors(hidden, weight, target, bias, want):
+def _torch_errors(hidden, weight, target, bias, want, device):
     """torch's fp32 F.cross_entropy relative errors: (per-token loss, lse, input-gradient row)."""
-    h, w = (x.clone().requires_grad_() for x in (hidden, weight))
-    logits = h @ w.t() + bias
-    loss = F.cross_entropy(logits, target, reduction="none")
+    h, w = (x.to(device).clone().requires_grad_() for x in (hidden, weight))
+    logits = h @ w.t() + bias.to(device)
+    loss = F.cross_entropy(logits, target.to(device), reduction="none")
     lse = torch.logsumexp(logits, 1)
     _objective(loss, lse).backward()
-    return [_max_rel(loss, want[0]), _max_rel(lse, want[1]), _max_rel(h.grad, want[2])]
+    return [max_rel_err(loss, want[0]), max_rel_err(lse, want[1]), max_rel_err(h.grad, want[2])]
 
 
-def _max_rel(actual, expected) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
-    if expected.dim() == 1:
-        return ((actual - expected).abs() / expected.abs()).max().item()
-    return ((actual - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
-
-
-def _precision_suite(rank: int, world: int) -> list[str]:
+def _precision_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
     errors = []
+    device = _device(rank, kind)
     hidden, weight, target, bias = confident_problem(N, V, D, seed=22, bias=True)
     want = _reference(hidden, weight, target, bias)
     if not (want[0].min() < 1e-4 and want[0].max() > 1e-2):
         return [f"not the intended problem: losses {want[0].min():.2e} to {want[0].max():.2e}"]
-    base = _torch_errors(hidden, weight, target, bias, want)
+    base = _torch_errors(hidden, weight, target, bias, want, device)
     for impl in IMPLS:
         try:
-            ours = _parallel(rank, hidden, weight, target, bias, impl)
+            ours = _parallel(rank, hidden, weight, target, bias, impl, device)
         except Exception:
             return errors + [f"rank={rank} {impl} raised:\n{traceback.format_exc()}"]
         for name, got, ref, torch_err in zip(("loss", "lse", "input"), ours, want, base):
-            err = _max_rel(got, ref)
+            err = max_rel_err(got, ref)
             if not err <= PRECISION_FACTOR * torch_err + FP32_FLOOR:
                 errors.append(f"rank={rank} {impl} {name}: relative error {err:.2e}, "
                               f"torch fp32 {torch_err:.2e}")
@@ -175,17 +182,19 @@ def test_confident_tokens_as_precise_as_torch(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _edge_suite(rank: int, world: int) -> list[str]:
+def _edge_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     errors = []
+    device = _device(rank, kind)
     lo, hi = SHARDS[rank]
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, seed=23, bias=True)
     target[0], target[1] = 156, 180
     for impl in IMPLS:
         label = f"rank={rank} {impl}"
-        h = hidden.clone().requires_grad_()
-        loss = vocab_parallel_linear_cross_entropy(h, weight[lo:hi], target, impl=impl)
+        h = hidden.to(device).clone().requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy(h, weight[lo:hi].to(device), target.to(device),
+                                                   impl=impl)
         try:
             torch.autograd.grad(loss, h, create_graph=True)
             errors.append(f"{label}: create_graph=True gave no error")
@@ -194,13 +203,13 @@ def _edge_suite(rank: int, world: int) -> list[str]:
                 errors.append(f"{label}: create_graph=True: {str(exc)[:200]}")
 
         want = _reference(hidden, weight, target, bias)
-        got = _parallel(rank, hidden, weight, target.to(torch.uint8), bias, impl)
+        got = _parallel(rank, hidden, weight, target.to(torch.uint8), bias, impl, device)
         _check(errors, f"{label} uint8 target", got, want, rank)
 
         empty_h, empty_w = torch.zeros(N, 0), torch.zeros(V, 0)
         want = _reference(empty_h, empty_w, target, bias)
         try:
-            got = _parallel(rank, empty_h, empty_w, target, bias, impl)
+            got = _parallel(rank, empty_h, empty_w, target, bias, impl, device)
         except Exception:
             return errors + [f"{label} D=0 raised:\n{traceback.format_exc()}"]
         _check(errors, f"{label} D=0", got, want, rank)

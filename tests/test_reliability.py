@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 from helpers_lce import compare_to_reference, make_problem
-from helpers_reliability import confident_problem, strided, transposed
+from helpers_reliability import (
+    confident_problem,
+    cross_entropy_run,
+    precision_failures,
+    strided,
+    transposed,
+    upstream,
+)
 
 import fused_lce.chunked
 import fused_lce.function
@@ -126,64 +133,24 @@ def test_launchers_reject_what_their_kernels_misread():
 # Confident tokens
 # ---------------------------------------------------------------------------------------------
 
-# The bound: 10x torch's fp32 error, plus what no fp32 computation can beat.
-PRECISION_FACTOR = 10.0
-FP32_FLOOR = 1e-7
-
-
-def _max_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest relative error of any entry (any row, for 2-D: row norms)."""
-    actual, expected = actual.detach().double(), expected.detach().double()
-    if expected.dim() <= 1:
-        return ((actual - expected).abs() / expected.abs()).max().item()
-    return ((actual - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
-
-
-def _torch_run(hidden, weight, target, bias, dtype, reduction):
-    """F.cross_entropy on full logits in ``dtype``: (loss, lse, d_input, d_weight)."""
-    h, w = (x.to(dtype).clone().requires_grad_() for x in (hidden, weight))
-    logits = h @ w.t()
-    if bias is not None:
-        logits = logits + bias.to(dtype)
-    loss = F.cross_entropy(logits, target, reduction=reduction)
-    _upstream(loss).backward()
-    return loss.detach(), torch.logsumexp(logits.detach(), 1), h.grad, w.grad
-
-
-def _upstream(loss: torch.Tensor) -> torch.Tensor:
-    if loss.dim() == 0:
-        return loss
-    return (loss * torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype)).sum()
-
-
 @pytest.mark.parametrize("options", PATH_OPTIONS, ids=PATH_IDS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_confident_tokens_as_precise_as_torch(options, bias):
     hidden, weight, target, b = confident_problem(N, V, D, seed=3, bias=bias)
     per_token = _per_token_options(options)
     reduction = per_token["reduction"]
-    exact = _torch_run(hidden, weight, target, b, torch.float64, reduction)
-    fp32 = _torch_run(hidden, weight, target, b, torch.float32, reduction)
+    exact = cross_entropy_run(hidden, weight, target, b, torch.float64, reduction)
+    fp32 = cross_entropy_run(hidden, weight, target, b, torch.float32, reduction)
     if reduction == "none":
-        assert exact[0].min() < 1e-4 and exact[0].max() > 1e-2, "not the intended problem"
+        assert exact["loss"].min() < 1e-4 and exact["loss"].max() > 1e-2, "not the problem meant"
 
     h, w = (x.clone().requires_grad_() for x in (hidden, weight))
     out = linear_cross_entropy(h, w, target, b, **options, **per_token)
     loss, lse = out if isinstance(out, tuple) else (out, None)
-    _upstream(loss).backward()
-
+    upstream(loss).backward()
     ours = {"loss": loss, "lse": lse, "d_input": h.grad, "d_weight": w.grad}
-    worse = []
-    for i, name in enumerate(("loss", "lse", "d_input", "d_weight")):
-        if ours[name] is None:
-            continue
-        if name == "d_weight":
-            err, base = rel_err(ours[name], exact[i]), rel_err(fp32[i], exact[i])
-        else:
-            err, base = _max_rel(ours[name], exact[i]), _max_rel(fp32[i], exact[i])
-        if not err <= PRECISION_FACTOR * base + FP32_FLOOR:
-            worse.append(f"{name}: relative error {err:.2e}, torch fp32 {base:.2e}")
-    assert not worse, "; ".join(worse)
+    failures = precision_failures(ours, exact, fp32)
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.parametrize("impl", ["cce", "chunked", "torch"])
@@ -217,11 +184,11 @@ def test_create_graph_is_refused_before_any_kernel(options, reduction, monkeypat
     loss = linear_cross_entropy(h, weight, target, **options, reduction=reduction)
     with pytest.raises(RuntimeError, match=r"second-order gradients are not supported by "
                                            r"linear_cross_entropy\(impl="):
-        torch.autograd.grad(_upstream(loss), h, create_graph=True)
+        torch.autograd.grad(upstream(loss), h, create_graph=True)
     # First-order use of the same graph is unaffected.
     monkeypatch.undo()
     loss = linear_cross_entropy(h, weight, target, **options, reduction=reduction)
-    (grad,) = torch.autograd.grad(_upstream(loss), h)
+    (grad,) = torch.autograd.grad(upstream(loss), h)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
