@@ -91,6 +91,11 @@ def linear_cross_entropy(
 
     Returns:
         The loss (fp32; fp64 for fp64 inputs), and with ``return_lse`` the pair (loss, lse).
+
+    Per-token losses of confident tokens keep fp32's relative precision, as torch's do
+    (fused_lce.terms). Any strides are accepted. With D = 0 the logits are the bias (or 0), as
+    torch gives. Second-order gradients (``create_graph=True``) work with ``impl="torch"``
+    only; the other backwards raise a RuntimeError saying so.
     """
     opts = LCEOptions(
         ignore_index=ignore_index,

@@ -1,5 +1,6 @@
-"""The per-token terms every implementation shares: the loss from statistics, its reduction, and
-the coefficients of the logit gradient. Pure torch on (N,) vectors; no kernels, no collectives.
+"""The per-token terms every implementation shares: the loss from statistics, its reduction, the
+coefficients of the logit gradient, and the backwards' refusal of second-order use. Pure torch
+on (N,) vectors; no kernels, no collectives.
 
 For a token with row maximum ``m``, shifted sum ``s = sum_v exp(z_v - m)``, ``lse = m + log s``,
 target logit ``z_y``, row sum of logits ``S`` over ``V`` classes and upstream loss gradient ``g``

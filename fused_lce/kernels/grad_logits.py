@@ -385,6 +385,13 @@ def lce_backward_gemm(
     # Check constraints.
     check_operands(hidden, weight, bias)
     check_row_vectors(hidden.shape[0], target_local, row_order, n_valid, lse, coefs)
+    if d_weight_accumulator is not None and (
+        d_weight_accumulator.shape != weight.shape or d_weight_accumulator.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"d_weight_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
+            f"{d_weight_accumulator.dtype} {tuple(d_weight_accumulator.shape)}"
+        )
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     want_bias = want_bias and bias is not None
