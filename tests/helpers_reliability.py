@@ -110,3 +110,65 @@ def precision_failures(ours: dict, exact: dict, fp32: dict) -> list[str]:
         if not err <= PRECISION_FACTOR * base + FP32_FLOOR:
             failures.append(f"{name}: relative error {err:.2e}, torch fp32 {base:.2e}")
     return failures
+
+
+def hopper_forward_ptxas_report(tma: bool, softcap: bool, bias: bool) -> str:
+    """ptxas's register report of the forward kernel (target pick on) compiled for sm_90 at its
+    tuned Hopper config, or a line starting "SKIP" where this triton cannot. Call it without
+    TRITON_INTERPRET set."""
+    import inspect
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import fused_lce.kernels.lse_forward as forward
+
+    function = forward._lse_forward_kernel
+    while hasattr(function, "fn"):
+        function = function.fn
+    cfg = forward._CONFIGS["hopper-tma" if tma else "hopper"]
+    ints = ("n_rows", "n_vocab", "d_model", "vocab_per_split", "vocab_start")
+    signature = {}
+    for name in inspect.signature(function).parameters:
+        if name.isupper():
+            signature[name] = "constexpr"
+        elif name.startswith("stride") or name in ints:
+            signature[name] = "i32"
+        else:
+            signature[name] = "*fp32"
+    signature.update(
+        e_ptr=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_d}]>" if tma else "*bf16",
+        c_ptr=f"tensordesc<bf16[{cfg.block_v}, {cfg.block_d}]>" if tma else "*bf16",
+        row_order_ptr="*i32", n_valid_ptr="*i32", row_valid_ptr="*i8", target_ptr="*i64",
+        softcap="fp32",
+    )
+    constants = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+                     DOT_FP32=False, DOT_PRECISION="tf32", HAS_BIAS=bias, HAS_SOFTCAP=softcap,
+                     ROW_SUM=False, COL_SUM=False, KEEP=False, TARGET=True, ROUND=0,
+                     USE_TMA=tma)
+    absent_pointers = ("row_sum_ptr", "col_sum_ptr", "keep_ptr", "keep_max_ptr")
+    for absent in absent_pointers + (() if bias else ("bias_ptr",)):
+        signature[absent], constants[absent] = "constexpr", None
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=triton.runtime.jit.JITFunction(function), signature=signature,
+                      constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+        )
+    except Exception as error:  # no CUDA backend in this triton build
+        return f"SKIP cannot compile for sm_90 here: {error}"
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return "SKIP no ptxas in this triton build"
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "forward.ptx")
+        with open(source, "w") as file:
+            file.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", source, "-o", os.devnull],
+                                capture_output=True, text=True, check=True)
+    return report.stderr + report.stdout

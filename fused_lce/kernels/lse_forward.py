@@ -55,13 +55,13 @@ from .common import (
 
 @triton.jit
 def _accumulate_tile(
-    logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap, target,
-    row_max, row_sum_exp, row_sum, target_logit,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROW_SUM: tl.constexpr,
-    COL_SUM: tl.constexpr, ROUND: tl.constexpr,
+    logits, rows, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, target_logit_ptr, softcap,
+    target_in_tile, row_max, row_sum_exp, row_sum,
+    BLOCK_V: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr, TARGET: tl.constexpr, ROUND: tl.constexpr,
 ):
-    """Fold one logit tile into the rows' online max, sum-exp, target logit and (optional)
-    sums."""
+    """Fold one logit tile into the rows' online max, sum-exp and (optional) sums; store the
+    logit of each row whose target is a column of this tile."""
     logits = round_logits(logits, ROUND)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -73,13 +73,18 @@ def _accumulate_tile(
     if COL_SUM:
         col_total = tl.sum(tl.where(row_mask[:, None], logits, 0.0), axis=0)
         tl.atomic_add(col_sum_ptr + cols, col_total, mask=col_mask)
-    is_target = (cols[None, :] == target[:, None]) & col_mask[None, :]
-    target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+    if TARGET:
+        # Stored at once rather than carried through the loop, and found by 32-bit offsets:
+        # the kernel is at its register limit on Hopper (ptxas: spills otherwise).
+        is_target = tl.arange(0, BLOCK_V)[None, :] == target_in_tile[:, None]
+        picked = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        in_tile = row_mask & (target_in_tile >= 0) & (target_in_tile < BLOCK_V)
+        tl.store(target_logit_ptr + rows, picked, mask=in_tile)
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(logits, axis=1))
     scaled = tl.exp(logits - new_max[:, None])
     row_sum_exp = row_sum_exp * tl.exp(row_max - new_max) + tl.sum(scaled, axis=1)
-    return new_max, row_sum_exp, row_sum, target_logit, scaled
+    return new_max, row_sum_exp, row_sum, scaled
 
 
 @triton.heuristics(
@@ -157,15 +162,16 @@ def _lse_forward_kernel(
         rows = tl.load(row_order_ptr + offs_n, mask=row_mask, other=0).to(tl.int64)
     if tl.max(row_mask.to(tl.int32)) == 0:
         return
-    # The target as a column of this weight; classes of other shards match no column.
-    target = tl.full((BLOCK_N,), -1, dtype=tl.int64)
+    # The target as a column of this weight, -1 for classes of other shards (no column).
+    target = tl.full((BLOCK_N,), -1, dtype=tl.int32)
     if TARGET:
-        target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64) - vocab_start
+        global_target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+        local = global_target - vocab_start
+        target = tl.where((local >= 0) & (local < n_vocab), local, -1).to(tl.int32)
 
     row_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     # The launcher sizes splits so that each starts inside the vocabulary: every row sees a
     # finite logit in its first tile, and later fully masked tiles add exp(-inf) = 0.
@@ -184,10 +190,10 @@ def _lse_forward_kernel(
                 stride_en, stride_ed, stride_cv, stride_cd,
                 BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
             )
-        row_max, row_sum_exp, row_sum, target_logit, scaled = _accumulate_tile(
-            logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap, target,
-            row_max, row_sum_exp, row_sum, target_logit,
-            HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
+        row_max, row_sum_exp, row_sum, scaled = _accumulate_tile(
+            logits, rows, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, target_logit_ptr,
+            softcap, target - (v_start + v_offset), row_max, row_sum_exp, row_sum,
+            BLOCK_V, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, TARGET, ROUND,
         )
         if KEEP:
             keep_ptrs = keep_ptr + rows[:, None] * stride_keep + cols[None, :]
@@ -201,10 +207,6 @@ def _lse_forward_kernel(
     out = pid_split * stride_split + rows
     tl.store(max_ptr + out, row_max, mask=row_mask)
     tl.store(sum_exp_ptr + out, row_sum_exp, mask=row_mask)
-    if TARGET:
-        # One split holds the target's column: it alone writes the (N,) output.
-        in_split = (target >= v_start) & (target < v_start + vocab_per_split) & (target < n_vocab)
-        tl.store(target_logit_ptr + rows, target_logit, mask=row_mask & in_split)
     if ROW_SUM:
         tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
 
