@@ -70,11 +70,16 @@ def _strided_argument(which: str, hidden, weight, target, bias):
         target = strided(target, (target + 1) % V)
     elif which == "bias":
         bias = strided(bias, 1e4)
+    elif which == "input-one-row-broadcast":
+        hidden = hidden[3].expand(hidden.shape)  # stride 0 between rows
+    elif which == "bias-broadcast":
+        bias = bias[:1].expand(bias.shape)  # stride 0
     return hidden, weight, target, bias
 
 
 @pytest.mark.parametrize("options", PATH_OPTIONS, ids=PATH_IDS)
-@pytest.mark.parametrize("which", ["input", "weight", "weight-column-major", "target", "bias"])
+@pytest.mark.parametrize("which", ["input", "weight", "weight-column-major", "target", "bias",
+                                   "input-one-row-broadcast", "bias-broadcast"])
 def test_strided_argument(which, options):
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", 0.1, bias=True,
                                                 seed=7)
