@@ -104,9 +104,14 @@ def _strided_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", 0.1,
                                                 bias=True, seed=21)
     want = _reference(hidden, weight, target, bias)
+    # Each shard's bias broadcast from its first entry (stride 0), and the whole it makes.
+    shard_constant = torch.cat([bias[start:start + 1].expand(stop - start)
+                                for start, stop in SHARDS])
+    want_broadcast = _reference(hidden, weight, target, shard_constant)
     lo, hi = SHARDS[rank]
     for impl in IMPLS:
-        for which in ("input", "weight", "weight-column-major", "target", "bias"):
+        for which in ("input", "weight", "weight-column-major", "target", "bias",
+                      "bias-broadcast"):
             label = f"rank={rank} {impl} strided {which}"
             h = hidden.to(device).clone()
             w = weight[lo:hi].to(device).clone()
@@ -120,14 +125,17 @@ def _strided_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
                 w = transposed(w)
             elif which == "target":
                 t = strided(t, (t + 1) % V)
-            else:
+            elif which == "bias":
                 b = strided(b, 1e4)
+            else:
+                b = b[:1].expand(b.shape)
             try:
                 ours = _run_layer(h.requires_grad_(), w.requires_grad_(), t,
                                   b.requires_grad_(), impl)
             except Exception:
                 return errors + [f"{label} raised:\n{traceback.format_exc()}"]
-            _check(errors, label, ours, want, rank)
+            _check(errors, label, ours, want_broadcast if which == "bias-broadcast" else want,
+                   rank)
     return errors
 
 

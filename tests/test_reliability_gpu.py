@@ -57,7 +57,8 @@ def test_confident_tokens_as_precise_as_torch(dtype, d, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("which", ["input", "weight", "weight-column-major", "target", "bias"])
+@pytest.mark.parametrize("which", ["input", "weight", "weight-column-major", "target", "bias",
+                                   "input-one-row-broadcast", "bias-broadcast"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_strided_argument(dtype, which, path):
     hidden, weight, target, bias = make_problem(N, V, 256, dtype, "peaked", 0.1, bias=True,
@@ -71,7 +72,11 @@ def test_strided_argument(dtype, which, path):
         weight = transposed(weight)
     elif which == "target":
         target = strided(target, (target + 1) % V)
-    else:
+    elif which == "bias":
         bias = strided(bias, 1e4)
+    elif which == "input-one-row-broadcast":
+        hidden = hidden[3].expand(hidden.shape)
+    else:
+        bias = bias[:1].expand(bias.shape)
     compare_to_reference(hidden, weight, target, bias, device="cuda", reduction="none",
                          return_lse=True, seed=32, **PATHS[path])
