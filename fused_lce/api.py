@@ -11,6 +11,8 @@ chosen implementation:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -18,6 +20,10 @@ from .options import LCEOptions
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Class ids: torch's cross_entropy takes int64 and uint8; int32 (the kernels' own) and the narrow
+# signed types are taken too. Everything but int32 and int64 is widened to int64 first: uint8
+# compared with ignore_index=-100 would wrap around (156 == -100 in uint8).
+_TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def linear_cross_entropy(
@@ -54,7 +60,8 @@ def linear_cross_entropy(
     Args:
         input: (..., D) hidden states, float16 / bfloat16 / float32 (float64 outside cce).
         weight: (V, D) classifier, same dtype and device as ``input``.
-        target: (...) integer class ids, the shape of ``input`` without its last dimension.
+        target: (...) class ids (int64, int32, int16, int8 or uint8), the shape of ``input``
+            without its last dimension.
         bias: (V,) or None.
         ignore_index: target value that contributes no loss and no gradient.
         reduction: "mean" (over non-ignored tokens), "sum" or "none" (loss of shape ``target``).
@@ -84,6 +91,11 @@ def linear_cross_entropy(
 
     Returns:
         The loss (fp32; fp64 for fp64 inputs), and with ``return_lse`` the pair (loss, lse).
+
+    Per-token losses of confident tokens keep fp32's relative precision, as torch's do
+    (fused_lce.terms). Any strides are accepted. With D = 0 the logits are the bias (or 0), as
+    torch gives. Second-order gradients (``create_graph=True``) work with ``impl="torch"``
+    only; the other backwards raise a RuntimeError saying so.
     """
     opts = LCEOptions(
         ignore_index=ignore_index,
@@ -161,9 +173,10 @@ def validate(
         raise TypeError(f"weight must have input's dtype {input.dtype}, got {weight.dtype}")
     if bias is not None and bias.dtype != input.dtype:
         raise TypeError(f"bias must have input's dtype {input.dtype}, got {bias.dtype}")
-    if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
+    if target.dtype not in _TARGET_DTYPES:
         raise TypeError(
-            f"target must hold integer class indices (e.g. torch.int64), got dtype {target.dtype}"
+            "target must hold integer class indices (int64, int32, int16, int8 or uint8), got "
+            f"dtype {target.dtype}"
         )
     if input.dim() < 1:
         raise ValueError("input must have at least one dimension (..., D), got a scalar")
@@ -207,6 +220,7 @@ def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) 
     """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
     if target.numel() == 0:
         return
+    target = class_ids(target)
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bool(bad.any()):
         first = target[bad].flatten()[0].item()
@@ -214,6 +228,13 @@ def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) 
             f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
             f"({ignore_index})"
         )
+
+
+def class_ids(target: torch.Tensor) -> torch.Tensor:
+    """``target`` as int32 or int64 class ids (the narrower types widened to int64)."""
+    if target.dtype in (torch.int32, torch.int64):
+        return target
+    return target.long()
 
 
 def _check_cce_supported(input: torch.Tensor) -> None:
@@ -234,8 +255,9 @@ def _check_cce_supported(input: torch.Tensor) -> None:
 def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool):
     validate(input, weight, target, bias, opts, check_targets)
     batch_shape = target.shape
-    hidden = input.reshape(-1, input.shape[-1])
-    flat_target = target.reshape(-1)
+    # Not reshape(-1, D): with D = 0 the -1 is ambiguous.
+    hidden = input.reshape(math.prod(batch_shape), input.shape[-1])
+    flat_target = class_ids(target).reshape(-1)
     impl = resolve_impl(opts, input.device, input.dtype)
     if impl == "cce" and hidden.shape[0] > 0:
         from .function import cce_linear_cross_entropy

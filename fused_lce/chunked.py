@@ -32,10 +32,15 @@ they get loss 0, lse 0 and no gradient.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .options import LCEOptions
-from .terms import GradCoefficients, grad_coefficients, token_loss
+from .terms import (
+    GradCoefficients,
+    grad_coefficients,
+    refuse_double_backward,
+    target_nll,
+    token_loss,
+)
 
 
 def chunked_linear_cross_entropy(
@@ -166,7 +171,7 @@ def _local_target(
         (local, hit): local (rows, 1) clamped into the chunk so it is always a valid index;
         hit (rows,) whether the target really lies in the chunk.
     """
-    local = target - start
+    local = target.long() - start
     hit = (local >= 0) & (local < width)
     return local.clamp(0, width - 1).unsqueeze(1), hit
 
@@ -192,15 +197,19 @@ def _logit_grad_(
     Returns:
         ``z``, now holding dL/dx (rows, cols).
     """
-    p_coef, tgt_coef, smooth_coef = coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef
+    p_coef, smooth_coef = coefs.p_coef, coefs.smooth_coef
     # tanh' recovered from the capped value itself; taken before z turns into probabilities.
     slope = None if softcap is None else 1.0 - (z / softcap).square_()
     grad = z.sub_(lse.unsqueeze(1)).exp_().mul_(p_coef.unsqueeze(1))
+    # The target's entry is replaced whole (fused_lce.terms: it keeps 1 - p_y precise). Rows
+    # whose target is elsewhere write back their own value at the clamped column: no branch,
+    # no host sync.
+    at_target = coefs.target_grad.to(grad.dtype)
+    if hit is not None:
+        at_target = torch.where(hit, at_target, grad.gather(1, local).squeeze(1))
+    grad.scatter_(1, local, at_target.unsqueeze(1))
     if smooth_coef is not None:
         grad.sub_(smooth_coef.unsqueeze(1))
-    # Rows whose target is elsewhere add 0 at the clamped column: no branch, no host sync.
-    onehot = -tgt_coef if hit is None else torch.where(hit, -tgt_coef, 0.0)
-    grad.scatter_add_(1, local, onehot.unsqueeze(1))
     if slope is not None:
         grad.mul_(slope)
     return grad
@@ -287,15 +296,16 @@ def _vocab_forward(
     bias: torch.Tensor | None,
     target: torch.Tensor,
     opts: LCEOptions,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (loss, lse), each (rows,), for non-ignored tokens only.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token (loss, lse, nll), each (rows,), for non-ignored tokens only.
 
     Args:
         hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,) in [0, V).
     """
     run_max, run_sum, row_sum, target_logit = vocab_statistics(hidden, weight, bias, target, opts)
     lse = run_max + run_sum.log()
-    return token_loss(lse, target_logit, row_sum, weight.shape[0], opts), lse
+    nll = target_nll(run_max, run_sum, target_logit)
+    return token_loss(nll, lse, row_sum, weight.shape[0], opts), lse, nll
 
 
 def vocab_backward(
@@ -383,19 +393,21 @@ class _VocabChunkedLCE(torch.autograd.Function):
         rows = _valid_rows(target, opts.ignore_index)
         n_valid = n if rows is None else rows.numel()
         if n_valid > 0:
-            loss, lse = _vocab_forward(_take(hidden, rows), weight, bias, _take(target, rows), opts)
+            loss, lse, nll = _vocab_forward(
+                _take(hidden, rows), weight, bias, _take(target, rows), opts
+            )
         else:
-            loss = lse = hidden.new_zeros(0, dtype=compute)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, rows)
+            loss = lse = nll = hidden.new_zeros(0, dtype=compute)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, nll, rows)
         ctx.opts = opts
         # Unused outputs arrive as None instead of zero tensors: skip their work.
         ctx.set_materialize_grads(False)
         return _reduce(loss, rows, n, opts.reduction), _put(lse, rows, n)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None):
-        hidden, weight, bias, target, lse, rows = ctx.saved_tensors
+        refuse_double_backward("linear_cross_entropy(impl='chunked')")
+        hidden, weight, bias, target, lse, nll, rows = ctx.saved_tensors
         opts: LCEOptions = ctx.opts
         needs = tuple(ctx.needs_input_grad[:3])
         n_valid = lse.shape[0]
@@ -403,7 +415,7 @@ class _VocabChunkedLCE(torch.autograd.Function):
             return (*_zeros_where_needed((hidden, weight, bias), needs), None, None)
         g = _upstream_token_grad(grad_loss, rows, n_valid, opts.reduction, lse)
         grad_lse = None if grad_lse is None else _take(grad_lse.to(lse.dtype), rows)
-        coefs = grad_coefficients(g, lse, grad_lse, weight.shape[0], opts)
+        coefs = grad_coefficients(g, lse, nll, grad_lse, weight.shape[0], opts)
         d_hidden, d_weight, d_bias = vocab_backward(
             _take(hidden, rows), weight, bias, _take(target, rows), lse, coefs, opts, needs
         )
@@ -453,17 +465,19 @@ def _token_chunks(
     lse = hidden.new_empty(rows, dtype=compute)
     for start in range(0, rows, chunk):
         stop = min(start + chunk, rows)
-        h_chunk, local = hidden[start:stop], target[start:stop].unsqueeze(1)
+        h_chunk, local = hidden[start:stop], target[start:stop].long().unsqueeze(1)
         z = scratch.logits(h_chunk, weight, bias, opts.softcap)
-        lse_chunk = torch.logsumexp(z, dim=1)
+        row_max = z.amax(dim=1)
+        sum_exp = torch.exp(z - row_max.unsqueeze(1)).sum(dim=1)
+        lse_chunk = row_max + sum_exp.log()
         lse[start:stop] = lse_chunk
         row_sum = z.sum(dim=1) if opts.label_smoothing > 0 else None
-        target_logit = z.gather(1, local).squeeze(1)
-        loss_sum += token_loss(lse_chunk, target_logit, row_sum, num_classes, opts).sum()
+        nll = target_nll(row_max, sum_exp, z.gather(1, local).squeeze(1))
+        loss_sum += token_loss(nll, lse_chunk, row_sum, num_classes, opts).sum()
         if not any(needs):
             continue
         g = lse_chunk.new_full(lse_chunk.shape, scale)
-        coefs = grad_coefficients(g, lse_chunk, None, num_classes, opts)
+        coefs = grad_coefficients(g, lse_chunk, nll, None, num_classes, opts)
         grad = _logit_grad_(z, lse_chunk, coefs, local, None, opts.softcap)
         if need_b:
             d_bias.add_(grad.sum(dim=0))
@@ -520,8 +534,8 @@ class _TokenChunkedLCE(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
+        refuse_double_backward("linear_cross_entropy(impl='chunked', chunk_by='tokens')")
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         # None only for inputs that asked for no gradient.
         scaled = tuple(None if d is None else d * grad_loss for d in (d_hidden, d_weight, d_bias))

@@ -1,10 +1,13 @@
 """The cce autograd Function: the forward saves (lse, a few (N,) vectors), the backward recomputes.
 
 The pieces here are also the building blocks of the vocab-parallel layer (fused_lce.parallel):
-``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernels on one weight
+``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernel on one weight
 shard, ``masked_token_loss`` and ``masked_grad_coefficients`` turn global statistics into losses
 and into the backward's per-row coefficients, and ``shard_backward`` runs the backward on one
 shard. Nothing in this file talks to other ranks.
+
+Per-row vectors (target, bias) reach the kernels with unit stride: the building blocks make a
+strided view contiguous once (a copy of N or V elements), and the launchers check it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 
 from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
 from .kernels.grad_logits import lce_backward_gemm
-from .kernels.indexed_dot import indexed_dot
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .options import LCEOptions, without_backward_options
 from .terms import (
@@ -23,6 +25,8 @@ from .terms import (
     grad_coefficients,
     loss_gradient_per_token,
     reduce_tokens,
+    refuse_double_backward,
+    target_nll,
     token_loss,
 )
 
@@ -64,41 +68,43 @@ def shard_statistics(
     *,
     vocab_start: int = 0,
     want_col_sum: bool = False,
-) -> tuple[LSEStats, torch.Tensor]:
-    """(max / sum-exp / row-sum statistics, target logit) of this weight shard's columns.
+) -> LSEStats:
+    """Max / sum-exp / target-logit (/ row-sum) statistics of this weight shard's columns.
 
     The target logit is 0 for tokens whose target another shard owns. The statistics hold the
     kept logits where the options ask for them (``keeps_logits``).
     """
-    stats = lse_forward(
+    return lse_forward(
         hidden,
         weight,
-        bias,
+        _unit_stride(bias),
         rows.order,
         rows.n_valid,
+        target=_unit_stride(target),
+        vocab_start=vocab_start,
         softcap=opts.softcap,
         want_row_sum=opts.label_smoothing > 0,
         want_col_sum=want_col_sum,
         round_16bit=opts.round_logits,
         keep_logits=keeps_logits(opts),
     )
-    target_logit = indexed_dot(
-        hidden, weight, bias, target, softcap=opts.softcap, vocab_start=vocab_start,
-        round_16bit=opts.round_logits,
-    )
-    return stats, target_logit
+
+
+def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-row or per-column vector as the kernels read it (``ptr + i``)."""
+    return None if vector is None else vector.contiguous()
 
 
 def masked_token_loss(
+    nll: torch.Tensor,
     lse: torch.Tensor,
-    target_logit: torch.Tensor,
     row_sum: torch.Tensor | None,
     valid: torch.Tensor,
     opts: LCEOptions,
     n_classes: int,
 ) -> torch.Tensor:
-    """Per-token loss (N,) from global statistics; 0 for ignored tokens."""
-    loss = token_loss(lse, target_logit, row_sum, n_classes, opts)
+    """Per-token loss (N,) from global statistics (``terms.target_nll``); 0 for ignored tokens."""
+    loss = token_loss(nll, lse, row_sum, n_classes, opts)
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
@@ -106,6 +112,7 @@ def masked_grad_coefficients(
     grad_token: torch.Tensor,
     grad_lse: torch.Tensor | None,
     lse: torch.Tensor,
+    nll: torch.Tensor,
     valid: torch.Tensor,
     opts: LCEOptions,
     n_classes: int,
@@ -115,7 +122,8 @@ def masked_grad_coefficients(
     g = torch.where(valid, grad_token, zero)
     if grad_lse is not None:
         grad_lse = torch.where(valid, grad_lse.float(), zero)
-    return grad_coefficients(g, torch.where(valid, lse, zero), grad_lse, n_classes, opts)
+    lse, nll = torch.where(valid, lse, zero), torch.where(valid, nll, zero)
+    return grad_coefficients(g, lse, nll, grad_lse, n_classes, opts)
 
 
 def filter_settings(
@@ -175,6 +183,7 @@ def shard_backward(
     With ``d_weight_accumulator`` (fp32, the weight's shape) the weight gradient is added into
     it and returned as None. ``kept``: the forward's kept logits (``keeps_logits``), consumed.
     """
+    bias = _unit_stride(bias)
     if backward_path(opts) == "gemm":
         return lce_backward_gemm(
             hidden,
@@ -240,14 +249,18 @@ class CCEFunction(torch.autograd.Function):
         rows = prepare_rows(target, opts.ignore_index)
         filter_code, _ = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
         want_col_sum = use_vocab_sort(opts, filter_code)
-        stats, target_logit = shard_statistics(
+        stats = shard_statistics(
             hidden, weight, bias, target, rows, opts, want_col_sum=want_col_sum
         )
-        lse = torch.where(rows.valid, stats.lse, torch.zeros_like(stats.max))
-        loss = masked_token_loss(lse, target_logit, stats.row_sum, rows.valid, opts, n_classes)
+        zero = torch.zeros_like(stats.max)
+        lse = torch.where(rows.valid, stats.lse, zero)
+        nll = torch.where(
+            rows.valid, target_nll(stats.max, stats.sum_exp, stats.target_logit), zero
+        )
+        loss = masked_token_loss(nll, lse, stats.row_sum, rows.valid, opts, n_classes)
         loss = reduce_tokens(loss, rows.n_valid, opts.reduction)
 
-        ctx.save_for_backward(hidden, weight, bias, target, lse, stats.col_sum)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, nll, stats.col_sum)
         ctx.rows = rows
         ctx.kept = stats.kept
         ctx.opts = opts
@@ -256,7 +269,8 @@ class CCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        hidden, weight, bias, target, lse, col_sum = ctx.saved_tensors
+        refuse_double_backward("linear_cross_entropy(impl='cce')")
+        hidden, weight, bias, target, lse, nll, col_sum = ctx.saved_tensors
         opts: LCEOptions = ctx.opts
         rows: RowOrder = ctx.rows
         kept, ctx.kept = ctx.kept, None  # freed with G at the end of this backward
@@ -268,7 +282,9 @@ class CCEFunction(torch.autograd.Function):
             grad_token = torch.zeros((n_rows,), device=hidden.device, dtype=torch.float32)
         else:
             grad_token = loss_gradient_per_token(grad_loss, n_rows, rows.n_valid, opts.reduction)
-        coefs = masked_grad_coefficients(grad_token, grad_lse, lse, rows.valid, opts, n_classes)
+        coefs = masked_grad_coefficients(
+            grad_token, grad_lse, lse, nll, rows.valid, opts, n_classes
+        )
         target_local = local_targets(target, rows.valid, 0, n_classes)
         d_hidden, d_weight, d_bias = shard_backward(
             hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .options import LCEOptions
-from .terms import reduce_tokens
+from .terms import reduce_tokens, target_nll, token_loss
 
 
 def softcap_fn(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -36,17 +36,19 @@ def full_logits(
 def per_token_loss(
     logits: torch.Tensor, target: torch.Tensor, opts: LCEOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) per token from full logits (N, V); ignored tokens give loss 0 and keep lse."""
+    """(loss, lse) per token from full logits (N, V); ignored tokens give loss 0 and keep lse.
+
+    The shift is a constant to autograd, as in torch's logsumexp: its gradient terms cancel.
+    """
     valid = target != opts.ignore_index
-    safe_target = torch.where(valid, target, torch.zeros_like(target))
-    lse = torch.logsumexp(logits, dim=-1)
+    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()
+    row_max = logits.detach().amax(dim=-1)
+    sum_exp = torch.exp(logits - row_max.unsqueeze(-1)).sum(dim=-1)
+    lse = row_max + torch.log(sum_exp)
     target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-    loss = lse - target_logit
-    if opts.label_smoothing > 0:
-        smooth = lse - logits.mean(dim=-1)
-        loss = (1.0 - opts.label_smoothing) * loss + opts.label_smoothing * smooth
-    if opts.z_loss > 0:
-        loss = loss + opts.z_loss * lse * lse
+    nll = target_nll(row_max, sum_exp, target_logit)
+    row_sum = logits.sum(dim=-1) if opts.label_smoothing > 0 else None
+    loss = token_loss(nll, lse, row_sum, logits.shape[-1], opts)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return loss, lse
 

@@ -8,6 +8,7 @@ logits, all of which combine across shards:
     M   = max_r m_r                                  (one all-reduce MAX)
     S   = sum_r s_r exp(m_r - M),  lse = M + log S   (packed into one all-reduce SUM with
     z_y = sum_r z_y,r  (0 off the owning rank)        the target logit and the row sum)
+    nll = (M - z_y) + log S                          (fused_lce.terms: exact where y holds M)
 
 Each shard's (m_r, s_r) come from the same kernels as the single-device op, so nothing of size
 N x V_r is ever stored. The backward recomputes each shard's logit tiles against the global lse
@@ -32,16 +33,20 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import resolve_impl, validate
+from fused_lce.api import class_ids, resolve_impl, validate
 from fused_lce.options import LCEOptions, without_backward_options
 from fused_lce.terms import (
     GradCoefficients,
     grad_coefficients,
     loss_gradient_per_token,
     reduce_tokens,
+    refuse_double_backward,
+    target_nll,
     token_loss,
 )
 
@@ -142,6 +147,7 @@ def vocab_parallel_linear_cross_entropy(
     )
     start, num_classes = agreed.start, agreed.num_classes
 
+    target = class_ids(target)  # narrow and unsigned ids widened, as the single-device op does
     local_classes = max(0, min(weight.shape[0], num_classes - start))
     opts = without_backward_options(opts, input, weight, bias)
     loss, lse = _VocabParallelLCE.apply(
@@ -178,15 +184,17 @@ class _VocabParallelLCE(torch.autograd.Function):
             packed.append(row_sum)
         packed = comm.all_reduce_sum_(torch.stack(packed).float(), group)
         lse = finite_max + torch.log(packed[0])
+        nll = target_nll(finite_max, packed[0], packed[1])
         global_row_sum = packed[2] if row_sum is not None else None
-        loss = token_loss(lse, packed[1], global_row_sum, num_classes, opts)
+        loss = token_loss(nll, lse, global_row_sum, num_classes, opts)
         zero = torch.zeros_like(loss)
         loss = torch.where(valid, loss, zero)
         lse = torch.where(valid, lse, zero)
+        nll = torch.where(valid, nll, zero)
         n_valid = valid.sum()
         loss = reduce_tokens(loss, n_valid, opts.reduction)
 
-        ctx.save_for_backward(input, weight, bias, flat_target, lse, n_valid)
+        ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
         ctx.state = state
         ctx.opts, ctx.group, ctx.impl = opts, group, impl
         ctx.vocab_start, ctx.local_classes = vocab_start, local_classes
@@ -199,7 +207,8 @@ class _VocabParallelLCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        input, weight, bias, target, lse, n_valid = ctx.saved_tensors
+        refuse_double_backward("vocab_parallel_linear_cross_entropy")
+        input, weight, bias, target, lse, nll, n_valid = ctx.saved_tensors
         opts: LCEOptions = ctx.opts
         needs = tuple(ctx.needs_input_grad[:3])
         if grad_loss is None and grad_lse is None:
@@ -214,7 +223,7 @@ class _VocabParallelLCE(torch.autograd.Function):
         g = torch.where(valid, g, zero)
         if grad_lse is not None:
             grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
-        coefs = grad_coefficients(g, lse, grad_lse, ctx.num_classes, opts)
+        coefs = grad_coefficients(g, lse, nll, grad_lse, ctx.num_classes, opts)
 
         local = ctx.local_classes
         shard_w = weight[:local]
@@ -262,7 +271,7 @@ def _pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     hidden = comm.all_gather_first_dim(input, group) if sequence_parallel else input
-    return hidden.reshape(-1, hidden.shape[-1])
+    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # D = 0 too
 
 
 def _check_call(input, weight, target, bias, options: dict, group, sequence_parallel,
@@ -345,12 +354,12 @@ class _CCEShard:
 
         rows = prepare_rows(target, opts.ignore_index)
         filter_code, _ = filter_settings(opts, hidden.dtype, 1, hidden.device)
-        stats, target_logit = shard_statistics(
+        stats = shard_statistics(
             hidden, weight, bias, target, rows, opts, vocab_start=vocab_start,
             want_col_sum=use_vocab_sort(opts, filter_code),
         )
         state = (rows, stats.col_sum, stats.kept)
-        return state, (stats.max, stats.sum_exp, stats.row_sum, target_logit)
+        return state, (stats.max, stats.sum_exp, stats.row_sum, stats.target_logit)
 
     @staticmethod
     def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
@@ -395,7 +404,9 @@ class _ChunkedShard:
 
         valid, local = state
         pick = lambda t: None if t is None else t.index_select(0, valid)  # noqa: E731
-        coefs = GradCoefficients(pick(coefs.p_coef), pick(coefs.tgt_coef), pick(coefs.smooth_coef))
+        coefs = GradCoefficients(
+            pick(coefs.p_coef), pick(coefs.target_grad), pick(coefs.smooth_coef)
+        )
         d_rows, d_weight, d_bias = vocab_backward(
             hidden.index_select(0, valid), weight, bias, local, pick(lse), coefs, opts,
             (True, needs[1], needs[2]),

@@ -9,7 +9,8 @@
 #   quick     scripts/gpu_quick_check.py: every option group against fp64, TMA and pointer kernels
 #   tune      scripts/tune_kernels.py at the Gemma-2 2B shape, TMA on and off
 #   profile   scripts/profile_lce.py: GPU busy and idle time per step, Gemma and Llama shapes
-#   tests     tests/test_gpu.py (the kernels against fp64 at moderate and large sizes)
+#   tests     tests/test_gpu.py (the kernels against fp64 at moderate and large sizes) and
+#             tests/test_reliability_gpu.py (confident tokens, strided arguments)
 #   bench     scripts/bench_lce.py: ours and the peers, three shapes, N = 8192, both regimes
 #   bench-n   the same at N = 2048 and 65536 (ours, torch.compile, and the peers that fit)
 #
@@ -56,6 +57,8 @@ for stage in "$@"; do
         ;;
     tests)
         run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ${TEST_ARGS:-}
+        run tests_reliability 300 python3 -m pytest -q -p no:cacheprovider \
+            tests/test_reliability_gpu.py
         ;;
     bench)
         run bench 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \

@@ -10,7 +10,8 @@
 #
 # Stages:
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
-#   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py) and the Megatron-LM
+#   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py, TP=2 edge cases in
+#                tests/test_parallel_reliability_gpu.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
 #   bench        scripts/bench_parallel.py: TP 1, 2, 4, SP off/on, ours, ours-lean, megatron and
 #                the collectives alone, at the Gemma-2 2B and Llama-3 8B shapes
@@ -74,7 +75,7 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
         ;;
     tests)
         run tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py \
-            tests/test_megatron_plugin.py
+            tests/test_parallel_reliability_gpu.py tests/test_megatron_plugin.py
         ;;
     bench)
         run bench_parallel 300 torchrun --nproc-per-node "$ngpu" scripts/bench_parallel.py \

@@ -201,7 +201,7 @@ KNOWN_BREAKS = {
     ("fused_lce.kernels.backward", "fused_lce.terms"):
         "the tiles backward takes GradCoefficients from the layer above (issue 16, item 3)",
     ("fused_lce.parallel.vocab_parallel", "fused_lce.api"):
-        "vocab_parallel borrows the front door's validate, resolve_impl and check_target_range",
+        "vocab_parallel borrows the front door's validate, resolve_impl and class_ids",
 }
 
 

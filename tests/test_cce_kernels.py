@@ -1,7 +1,7 @@
 """The Triton kernels, called directly (under the interpreter on CPU), against fp64 torch.
 
 - ``lse_forward``: per-row max / sum-exp / row sum and per-column sums; ignored rows untouched.
-- ``indexed_dot``: the target logit, including a vocabulary shard (``vocab_start``).
+- ``lse_forward``'s target logit, including a vocabulary shard (``vocab_start``).
 - ``lce_backward`` (the fused "tiles" backward): MODE 0 (atomics) and the deterministic
   MODE 1 + 2 against fp64 gradients; FILTER 1 and 2 against fp64 gradients with exactly the
   tiles the criterion names removed; a tiny scratch budget that forces several token and
@@ -32,7 +32,6 @@ from fused_lce.kernels.backward import (
 )
 from fused_lce.kernels.common import ENV_TMA, use_tma
 from fused_lce.kernels.grad_logits import grad_logits, lce_backward_gemm
-from fused_lce.kernels.indexed_dot import indexed_dot
 from fused_lce.kernels.lse_forward import lse_forward
 from fused_lce.options import LCEOptions
 
@@ -113,21 +112,24 @@ def test_lse_forward_optional_outputs_off_and_all_rows_ignored():
 
 
 # ---------------------------------------------------------------------------------------------
-# indexed_dot
+# lse_forward's target logit
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("shard", [(0, V), (100, 250)], ids=["whole", "shard-100-250"])
-def test_indexed_dot(dtype, softcap, shard):
+def test_target_logit(dtype, softcap, shard):
     hidden, weight, target, bias = make_problem(
         N, V, D, dtype, "peaked", ignore_frac=0.2, bias=True, seed=43
     )
     start, stop = shard
-    out = indexed_dot(
-        hidden, weight[start:stop], bias[start:stop], target, softcap=softcap, vocab_start=start
+    rows = prepare_rows(target, IGNORE_INDEX)
+    stats = lse_forward(
+        hidden, weight[start:stop], bias[start:stop], rows.order, rows.n_valid,
+        target=target, vocab_start=start, softcap=softcap,
     )
+    out = stats.target_logit
     logits = _logits64(hidden, weight, bias, softcap)
     owned = (target >= start) & (target < stop)
     expected = torch.zeros(N, dtype=torch.float64)
@@ -175,9 +177,11 @@ def _setup_backward(
     # for the "mean" loss, 0 for ignored rows.
     g = torch.where(valid, 1.0 / int(valid.sum()), 0.0)
     ls = opts.label_smoothing
+    p_coef = g * (1.0 + 2.0 * opts.z_loss * lse)
+    p_target = torch.exp(capped.gather(1, safe_target[:, None]).squeeze(1) - lse64).detach()
     coefs = GradCoefficients(
-        p_coef=g * (1.0 + 2.0 * opts.z_loss * lse),
-        tgt_coef=g * (1.0 - ls),
+        p_coef=p_coef,
+        target_grad=(p_coef * p_target - g * (1.0 - ls)).float(),
         smooth_coef=g * (ls / v) if ls > 0 else None,
     )
     inputs = dict(
@@ -531,7 +535,8 @@ def test_round_logits_matches_bf16_logits(d):
     assert rel_err(stats.lse[valid], exact[valid]) > 10 * TOL
 
     target = torch.where(valid, inputs["target_local"].long(), 0)
-    got = indexed_dot(hidden, weight, bias, target, softcap=5.0, round_16bit=True)
+    got = lse_forward(hidden, weight, bias, rows.order, rows.n_valid, target=target,
+                      softcap=5.0, round_16bit=True).target_logit
     want_t = capped(rounded).gather(1, target[:, None]).squeeze(1)
     assert_close_rel(got[valid], want_t[valid], TOL, name="target logit")
 
@@ -688,7 +693,7 @@ import fused_lce.kernels.grad_logits as gemm
 
 signature = {
     "scaled_ptr": "*bf16", "tile_max_ptr": "*fp32", "row_valid_ptr": "*i8",
-    "target_ptr": "*i32", "lse_ptr": "*fp32", "p_coef_ptr": "*fp32", "tgt_coef_ptr": "*fp32",
+    "target_ptr": "*i32", "lse_ptr": "*fp32", "p_coef_ptr": "*fp32", "target_grad_ptr": "*fp32",
     "smooth_coef_ptr": "*fp32", "n_rows": "i32", "n_vocab": "i32", "stride_scaled": "i32",
     "stride_tile_max": "i32", "softcap": "fp32", "KEPT_BLOCK_V": "constexpr",
     "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "HAS_SOFTCAP": "constexpr",

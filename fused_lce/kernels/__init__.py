@@ -1,1 +1,1 @@
-"""Triton kernels, one per file, each with its launcher: lse_forward, indexed_dot, backward."""
+"""Triton kernels, one per file, each with its launcher: lse_forward, backward, grad_logits."""

@@ -2,11 +2,13 @@
 
 For a tile of rows n and vocabulary columns v the logit gradient is
 
-    G[n, v] = (p_coef[n] * softmax[n, v] - tgt_coef[n] * [v == target[n]] - smooth_coef[n])
-              * softcap'(n, v)
+    G[n, v] = (p_coef[n] * softmax[n, v] - smooth_coef[n]) * softcap'(n, v)    (v != target[n])
+    G[n, y] = (target_grad[n] - smooth_coef[n]) * softcap'(n, y)
 
 with per-row coefficients prepared by the caller (loss scale, z-loss, label smoothing, the LSE's
-own gradient). Then dE[n] += G @ C[v], dC[v] += G.T @ E[n], dbias[v] += sum_n G.
+own gradient; fused_lce.terms). The target's entry comes whole from the caller, who forms it from
+the token's loss so that ``1 - p_y`` keeps its precision for confident tokens. Then
+dE[n] += G @ C[v], dC[v] += G.T @ E[n], dbias[v] += sum_n G.
 
 Gradient filtering (docs/algorithm.md) skips a tile before the two products when its softmax
 entries are negligible: ``FILTER == 1`` (the paper) when every entry is below a threshold,
@@ -34,6 +36,9 @@ import triton.language as tl
 from ..terms import GradCoefficients
 from .common import (
     TileConfig,
+    check_operands,
+    check_scalar,
+    check_vector,
     dot_settings,
     gpu_family,
     logits_tile,
@@ -49,7 +54,7 @@ MODE_TILES, MODE_OWN_ROWS, MODE_OWN_COLS = 0, 1, 2
 @triton.jit
 def _grad_tile(
     e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask,
-    target, lse, p_coef, tgt_coef, smooth_coef,
+    target, lse, p_coef, target_grad, smooth_coef,
     d_model, stride_en, stride_ed, stride_cv, stride_cd,
     softcap, filter_threshold,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -64,14 +69,14 @@ def _grad_tile(
         BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
     )
     return grad_from_logits(
-        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
         softcap, filter_threshold, FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
 
 
 @triton.jit
 def grad_from_logits(
-    logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+    logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
     softcap, filter_threshold,
     FILTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, ROUND: tl.constexpr,
@@ -95,7 +100,7 @@ def grad_from_logits(
         no_target = tl.max(is_target.to(tl.int32)) == 0
         negligible = (tl.max(tl.sum(prob, axis=1)) < filter_threshold) & no_target
 
-    grad = p_coef[:, None] * prob - tl.where(is_target, tgt_coef[:, None], 0.0)
+    grad = tl.where(is_target, target_grad[:, None], p_coef[:, None] * prob)
     if HAS_SMOOTHING:
         grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
     if HAS_SOFTCAP:
@@ -125,7 +130,7 @@ def _backward_kernel(
     target_ptr,
     lse_ptr,
     p_coef_ptr,
-    tgt_coef_ptr,
+    target_grad_ptr,
     smooth_coef_ptr,
     vocab_order_ptr,
     de_ptr,
@@ -198,7 +203,7 @@ def _backward_kernel(
         target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-        tgt_coef = tl.load(tgt_coef_ptr + rows, mask=row_mask, other=0.0)
+        target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
         smooth_coef = p_coef
         if HAS_SMOOTHING:
             smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
@@ -213,7 +218,7 @@ def _backward_kernel(
                 cols = pos_v.to(tl.int64)
             grad, negligible = _grad_tile(
                 e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask,
-                target, lse, p_coef, tgt_coef, smooth_coef,
+                target, lse, p_coef, target_grad, smooth_coef,
                 d_model, stride_en, stride_ed, stride_cv, stride_cd,
                 softcap, filter_threshold,
                 BLOCK_N, BLOCK_V, BLOCK_D,
@@ -310,7 +315,7 @@ def plan_chunks(
     Rows get half the budget first: one token chunk covering every row keeps the weight gradient
     accumulated in fp32 from start to end. At least one block of each is always allowed.
     """
-    row_bytes = d_model * 4
+    row_bytes = max(d_model, 1) * 4  # D = 0 (logits of bias alone) still takes one row a token
     half = scratch_bytes // 2
     rows = max(cfg.block_n, (half // row_bytes) // cfg.block_n * cfg.block_n)
     rows = min(rows, triton.cdiv(max(n_rows, 1), cfg.block_n) * cfg.block_n)
@@ -318,6 +323,26 @@ def plan_chunks(
     cols = max(cfg.block_v, (left // row_bytes) // cfg.block_v * cfg.block_v)
     cols = min(cols, triton.cdiv(max(n_vocab, 1), cfg.block_v) * cfg.block_v)
     return BackwardPlan(rows_per_chunk=rows, vocab_per_chunk=cols)
+
+
+def check_row_vectors(
+    n_rows: int,
+    target_local: torch.Tensor,
+    row_order: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    coefs: GradCoefficients,
+) -> None:
+    """The per-row inputs of the backward kernels: (N,) unit-stride vectors of their dtypes."""
+    check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
+    check_vector("row_order", row_order, n_rows, (torch.int32,))
+    check_scalar("n_valid", n_valid, torch.int32)
+    fp32 = (torch.float32,)
+    check_vector("lse", lse, n_rows, fp32)
+    check_vector("p_coef", coefs.p_coef, n_rows, fp32)
+    check_vector("target_grad", coefs.target_grad, n_rows, fp32)
+    if coefs.smooth_coef is not None:
+        check_vector("smooth_coef", coefs.smooth_coef, n_rows, fp32)
 
 
 def lce_backward(
@@ -352,6 +377,11 @@ def lce_backward(
         lse: (N,) fp32 log-sum-exp over the whole vocabulary (every shard).
         vocab_order: (V,) int permutation to walk the vocabulary in, or None.
     """
+    # Check constraints.
+    check_operands(hidden, weight, bias)
+    check_row_vectors(hidden.shape[0], target_local, row_order, n_valid, lse, coefs)
+    if vocab_order is not None:
+        check_vector("vocab_order", vocab_order, weight.shape[0], (torch.int32, torch.int64))
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     device = hidden.device
@@ -393,7 +423,7 @@ def lce_backward(
     def launch(mode, grid, row_start, rows, vocab_start, cols, de, dc, dbias):
         _backward_kernel[grid](
             hidden, weight, bias, row_order, n_valid, target_local, lse,
-            coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef, vocab_order,
+            coefs.p_coef, coefs.target_grad, coefs.smooth_coef, vocab_order,
             de, dc, dbias,
             row_start, rows, vocab_start, cols, d_model,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),

@@ -96,6 +96,56 @@ def logits_tile_tma(
     return acc
 
 
+# Launcher checks: what the kernels rely on without being able to see it. A kernel reads a
+# per-row or per-column vector as ``ptr + i`` and a matrix through the strides it is given, so a
+# strided vector or a mismatched shape gives wrong numbers, not an error.
+
+
+def check_vector(
+    name: str, tensor: torch.Tensor, length: int, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """Raise unless ``tensor`` is a ({length},) vector of one of ``dtypes`` with unit stride."""
+    if tensor.dim() != 1 or tensor.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}, got {tensor.dtype}")
+    if length > 1 and tensor.stride(0) != 1:
+        raise ValueError(
+            f"{name} must have unit stride (the kernel reads element i at ptr + i), got stride "
+            f"{tensor.stride(0)}: pass {name}.contiguous()"
+        )
+
+
+def check_scalar(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise unless ``tensor`` is a one-element tensor of ``dtype`` (a device-side count)."""
+    if tensor.numel() != 1 or tensor.dtype != dtype:
+        raise ValueError(
+            f"{name} must be a one-element {dtype} tensor, got {tensor.dtype} of shape "
+            f"{tuple(tensor.shape)}"
+        )
+
+
+def check_operands(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Raise unless hidden (N, D), weight (V, D) and bias (V,) (unit stride) fit together.
+
+    Strides of hidden and weight are free: the kernels take them as arguments."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden (N, D) and weight (V, D) must share D, got shapes {tuple(hidden.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+            f"{weight.dtype} on {weight.device}"
+        )
+    if bias is not None:
+        check_vector("bias", bias, weight.shape[0], (hidden.dtype,))
+
+
 ENV_TMA = "FUSED_LCE_TMA"
 
 
@@ -122,6 +172,7 @@ def use_tma(*tensors: torch.Tensor) -> bool:
         and (t.stride(0) * t.element_size()) % 16 == 0
         and t.data_ptr() % 16 == 0
         and t.shape[0] > 0
+        and t.shape[1] > 0
         for t in tensors
     )
 

@@ -21,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import grad_from_logits
+from .backward import check_row_vectors, grad_from_logits
 from .common import (
     INTERPRET,
     TileConfig,
+    check_operands,
+    check_vector,
     dot_settings,
     gpu_family,
     logits_tile,
@@ -55,7 +57,7 @@ def _grad_logits_kernel(
     target_ptr,
     lse_ptr,
     p_coef_ptr,
-    tgt_coef_ptr,
+    target_grad_ptr,
     smooth_coef_ptr,
     g_ptr,
     # sizes
@@ -113,7 +115,7 @@ def _grad_logits_kernel(
     target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    tgt_coef = tl.load(tgt_coef_ptr + rows, mask=row_mask, other=0.0)
+    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
     smooth_coef = p_coef
     if HAS_SMOOTHING:
         smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
@@ -131,7 +133,7 @@ def _grad_logits_kernel(
             BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
         )
     grad, _ = grad_from_logits(
-        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, tgt_coef, smooth_coef,
+        logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
         softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
     tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
@@ -151,7 +153,7 @@ def _grad_from_kept_kernel(
     target_ptr,
     lse_ptr,
     p_coef_ptr,
-    tgt_coef_ptr,
+    target_grad_ptr,
     smooth_coef_ptr,
     n_rows,
     n_vocab,
@@ -180,11 +182,11 @@ def _grad_from_kept_kernel(
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    tgt_coef = tl.load(tgt_coef_ptr + rows, mask=row_mask, other=0.0)
+    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
 
     prob = tl.where(in_tile, scaled * tl.exp(tile_max - lse[:, None]), 0.0)
     is_target = (cols[None, :] == target[:, None]) & in_tile
-    grad = p_coef[:, None] * prob - tl.where(is_target, tgt_coef[:, None], 0.0)
+    grad = tl.where(is_target, target_grad[:, None], p_coef[:, None] * prob)
     if HAS_SMOOTHING:
         smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
         grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
@@ -203,12 +205,21 @@ def _grad_from_kept_kernel(
 def grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap) -> torch.Tensor:
     """Turn ``kept.scaled`` (N, V) into the logit gradient G in place and return it."""
     n_rows, n_vocab = kept.scaled.shape
+    # Check constraints.
+    if kept.scaled.stride(1) != 1 or kept.tile_max.stride(1) != 1:
+        raise ValueError("kept logits must have unit column stride")
+    check_vector("row_valid", row_valid, n_rows, (torch.int8,))
+    check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
+    for name, vector in (("lse", lse), ("p_coef", coefs.p_coef),
+                         ("target_grad", coefs.target_grad), ("smooth_coef", coefs.smooth_coef)):
+        if vector is not None:
+            check_vector(name, vector, n_rows, (torch.float32,))
     block_n, block_v = (64, 128) if INTERPRET else (32, 256)
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_vocab, block_v))
     if n_rows > 0 and n_vocab > 0:
         _grad_from_kept_kernel[grid](
             kept.scaled, kept.tile_max, row_valid, target_local, lse,
-            coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef,
+            coefs.p_coef, coefs.target_grad, coefs.smooth_coef,
             n_rows, n_vocab, kept.scaled.stride(0), kept.tile_max.stride(0), softcap,
             KEPT_BLOCK_V=kept.block_v, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4,
         )
@@ -253,7 +264,18 @@ def grad_logits(
         hidden_chunk: (rows, D) hidden states of positions ``row_start:`` of ``row_order``.
         out: (rows, cols) view of the reused buffer, unit column stride.
     """
+    # Check constraints.
+    check_operands(hidden_chunk, weight, bias)
+    check_row_vectors(row_order.shape[0], target_local, row_order, n_valid, lse, coefs)
     rows, cols = out.shape
+    if rows != hidden_chunk.shape[0] or vocab_start + cols > weight.shape[0] or (
+        cols > 1 and out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be (rows of hidden_chunk, columns within weight) with unit column stride, "
+            f"got shape {tuple(out.shape)} strides {out.stride()} for hidden_chunk "
+            f"{tuple(hidden_chunk.shape)}, weight {tuple(weight.shape)}, vocab_start {vocab_start}"
+        )
     cfg = grad_logits_config(hidden_chunk.device, hidden_chunk.dtype)
     dot_fp32, precision = dot_settings(hidden_chunk.dtype)
     grid = (triton.cdiv(rows, cfg.block_n) * triton.cdiv(cols, cfg.block_v),)
@@ -264,7 +286,7 @@ def grad_logits(
         c_arg = tma_descriptor(weight, cfg.block_v, cfg.block_d)
     _grad_logits_kernel[grid](
         e_arg, c_arg, bias, row_order, n_valid, target_local, lse,
-        coefs.p_coef, coefs.tgt_coef, coefs.smooth_coef, out,
+        coefs.p_coef, coefs.target_grad, coefs.smooth_coef, out,
         row_start, rows, vocab_start, cols, hidden_chunk.shape[1],
         hidden_chunk.stride(0), hidden_chunk.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0),
@@ -360,6 +382,16 @@ def lce_backward_gemm(
     The token chunks walk positions of ``row_order`` (non-ignored rows first); G rows of ignored
     tokens are zero, so they add nothing.
     """
+    # Check constraints.
+    check_operands(hidden, weight, bias)
+    check_row_vectors(hidden.shape[0], target_local, row_order, n_valid, lse, coefs)
+    if d_weight_accumulator is not None and (
+        d_weight_accumulator.shape != weight.shape or d_weight_accumulator.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"d_weight_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
+            f"{d_weight_accumulator.dtype} {tuple(d_weight_accumulator.shape)}"
+        )
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
     want_bias = want_bias and bias is not None
@@ -503,6 +535,8 @@ def plan_weight_buffer(
     """The layout, or None where the buffers do not fit: the G chunk and the fp32 accumulator
     need more rows than the weight gradient has (at 16 bits, 2N + N * chunk_cols / D rows), or
     the budget cannot hold a G chunk of 16 columns."""
+    if d_model == 0:
+        return None  # a weight gradient without storage lends none
     row_bytes = d_model * elem_bytes
     cols = min(BORROWED_CHUNK_COLS, max(MIN_BORROWED_COLS, n_vocab // 8 // 256 * 256))
     g_rows = _rows_holding(n_rows * cols * elem_bytes, row_bytes)

@@ -1,10 +1,16 @@
-"""Linear-log-sum-exp forward: per-row max and sum-exp of softcap(E @ C.T + b), no logits stored.
+"""Linear-log-sum-exp forward: per-row max, sum-exp and target logit of softcap(E @ C.T + b), no
+logits stored.
 
 The grid is (row blocks, vocabulary splits). Each program walks its split of the vocabulary tile
 by tile, keeps an online max and rescaled sum-exp per row in registers, and writes one partial
 (max, sum-exp) per row and split; the launcher merges the splits. Splitting the vocabulary keeps
 the GPU full when there are few row blocks, and the partials are what the vocab-parallel layer
 combines across ranks.
+
+The target logit is picked from the same logit tile that feeds the row's max, so where the
+target holds the maximum the two are the same number and ``max - target logit`` is exactly 0:
+the loss ``(max - z_y) + log sum-exp`` of a confident token keeps its precision
+(fused_lce.terms). A separate dot product for the target would differ in its last bits.
 
 Optional outputs, each behind a constexpr switch:
 - ``ROW_SUM``: the sum of a row's logits, for label smoothing.
@@ -31,6 +37,9 @@ import triton.language as tl
 from .common import (
     INTERPRET,
     TileConfig,
+    check_operands,
+    check_scalar,
+    check_vector,
     dot_settings,
     gpu_family,
     logits_tile,
@@ -46,12 +55,13 @@ from .common import (
 
 @triton.jit
 def _accumulate_tile(
-    logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
-    row_max, row_sum_exp, row_sum,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROW_SUM: tl.constexpr,
-    COL_SUM: tl.constexpr, ROUND: tl.constexpr,
+    logits, rows, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, target_logit_ptr, softcap,
+    target_in_tile, row_max, row_sum_exp, row_sum,
+    BLOCK_V: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr, TARGET: tl.constexpr, ROUND: tl.constexpr,
 ):
-    """Fold one logit tile into the rows' online max, sum-exp and (optional) sums."""
+    """Fold one logit tile into the rows' online max, sum-exp and (optional) sums; store the
+    logit of each row whose target is a column of this tile."""
     logits = round_logits(logits, ROUND)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -63,6 +73,13 @@ def _accumulate_tile(
     if COL_SUM:
         col_total = tl.sum(tl.where(row_mask[:, None], logits, 0.0), axis=0)
         tl.atomic_add(col_sum_ptr + cols, col_total, mask=col_mask)
+    if TARGET:
+        # Stored at once rather than carried through the loop, and found by 32-bit offsets:
+        # the kernel is at its register limit on Hopper (ptxas: spills otherwise).
+        is_target = tl.arange(0, BLOCK_V)[None, :] == target_in_tile[:, None]
+        picked = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        in_tile = row_mask & (target_in_tile >= 0) & (target_in_tile < BLOCK_V)
+        tl.store(target_logit_ptr + rows, picked, mask=in_tile)
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(logits, axis=1))
     scaled = tl.exp(logits - new_max[:, None])
@@ -78,6 +95,8 @@ def _accumulate_tile(
         "ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
         "COL_SUM": lambda args: args["col_sum_ptr"] is not None,
         "KEEP": lambda args: args["keep_ptr"] is not None,
+        # Callers that only want the lse (benchmarks, tests of the statistics) pass no target.
+        "TARGET": lambda args: args["target_ptr"] is not None,
     }
 )
 @triton.jit
@@ -89,8 +108,10 @@ def _lse_forward_kernel(
     row_order_ptr,
     n_valid_ptr,
     row_valid_ptr,
+    target_ptr,
     max_ptr,
     sum_exp_ptr,
+    target_logit_ptr,
     row_sum_ptr,
     col_sum_ptr,
     keep_ptr,
@@ -100,6 +121,7 @@ def _lse_forward_kernel(
     n_vocab,
     d_model,
     vocab_per_split,
+    vocab_start,
     # strides
     stride_en,
     stride_ed,
@@ -121,6 +143,7 @@ def _lse_forward_kernel(
     ROW_SUM: tl.constexpr,
     COL_SUM: tl.constexpr,
     KEEP: tl.constexpr,
+    TARGET: tl.constexpr,
     ROUND: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -139,6 +162,12 @@ def _lse_forward_kernel(
         rows = tl.load(row_order_ptr + offs_n, mask=row_mask, other=0).to(tl.int64)
     if tl.max(row_mask.to(tl.int32)) == 0:
         return
+    # The target as a column of this weight, -1 for classes of other shards (no column).
+    target = tl.full((BLOCK_N,), -1, dtype=tl.int32)
+    if TARGET:
+        global_target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+        local = global_target - vocab_start
+        target = tl.where((local >= 0) & (local < n_vocab), local, -1).to(tl.int32)
 
     row_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -162,8 +191,9 @@ def _lse_forward_kernel(
                 BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
             )
         row_max, row_sum_exp, row_sum, scaled = _accumulate_tile(
-            logits, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, softcap,
-            row_max, row_sum_exp, row_sum, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, ROUND,
+            logits, rows, cols, row_mask, col_mask, bias_ptr, col_sum_ptr, target_logit_ptr,
+            softcap, target - (v_start + v_offset), row_max, row_sum_exp, row_sum,
+            BLOCK_V, HAS_BIAS, HAS_SOFTCAP, ROW_SUM, COL_SUM, TARGET, ROUND,
         )
         if KEEP:
             keep_ptrs = keep_ptr + rows[:, None] * stride_keep + cols[None, :]
@@ -225,6 +255,9 @@ class LSEStats:
     row_sum: torch.Tensor | None  # (N,) fp32, sum of logits (label smoothing)
     col_sum: torch.Tensor | None  # (V,) fp32, sum of logits over valid rows (vocab sorting)
     kept: KeptLogits | None = None
+    # (N,) fp32, the target's logit from the tiles that gave ``max``; 0 where the target is not
+    # a row of this weight. None when no target was given.
+    target_logit: torch.Tensor | None = None
 
     @property
     def lse(self) -> torch.Tensor:
@@ -238,6 +271,8 @@ def lse_forward(
     row_order: torch.Tensor,
     n_valid: torch.Tensor,
     *,
+    target: torch.Tensor | None = None,
+    vocab_start: int = 0,
     softcap: float | None = None,
     want_row_sum: bool = False,
     want_col_sum: bool = False,
@@ -249,15 +284,24 @@ def lse_forward(
     Args:
         hidden: (N, D) activations.
         weight: (V, D) classifier rows (a shard, possibly).
-        bias: (V,) or None.
+        bias: (V,) or None, unit stride.
         row_order: (N,) int32, the non-ignored rows first.
         n_valid: () int32 on the device, the number of non-ignored rows.
+        target: (N,) int32/int64 global class ids, unit stride, or None: with it the stats hold
+            each row's target logit.
+        vocab_start: the global id of ``weight``'s first row (vocabulary shards).
         round_16bit: round each logit to the 16-bit input dtype before anything else
             (``LCEOptions.round_logits``).
         keep_logits: also return the logits as :class:`KeptLogits`
             (``LCEOptions.recompute_logits=False``).
     """
+    # Check constraints.
+    check_operands(hidden, weight, bias)
     n_rows, d_model = hidden.shape
+    check_vector("row_order", row_order, n_rows, (torch.int32,))
+    check_scalar("n_valid", n_valid, torch.int32)
+    if target is not None:
+        check_vector("target", target, n_rows, (torch.int32, torch.int64))
     n_vocab = weight.shape[0]
     device = hidden.device
     tma = use_tma(hidden, weight)
@@ -276,6 +320,9 @@ def lse_forward(
         torch.zeros((splits, n_rows), device=device, dtype=torch.float32) if want_row_sum else None
     )
     col_sum = torch.zeros((n_vocab,), device=device, dtype=torch.float32) if want_col_sum else None
+    target_logit = (
+        torch.zeros((n_rows,), device=device, dtype=torch.float32) if target is not None else None
+    )
     kept = None
     if keep_logits:
         kept = KeptLogits(
@@ -299,10 +346,10 @@ def lse_forward(
             c_arg = tma_descriptor(weight, cfg.block_v, cfg.block_d)
             row_valid = valid_rows(row_order, n_valid)
         _lse_forward_kernel[grid](
-            e_arg, c_arg, bias, row_order, n_valid, row_valid,
-            part_max, part_sum_exp, part_row_sum, col_sum,
+            e_arg, c_arg, bias, row_order, n_valid, row_valid, target,
+            part_max, part_sum_exp, target_logit, part_row_sum, col_sum,
             None if kept is None else kept.scaled, None if kept is None else kept.tile_max,
-            n_rows, n_vocab, d_model, vocab_per_split,
+            n_rows, n_vocab, d_model, vocab_per_split, vocab_start,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             part_max.stride(0),
             0 if kept is None else kept.scaled.stride(0),
@@ -319,7 +366,7 @@ def lse_forward(
         scale = torch.exp(part_max - row_max.clamp_min(torch.finfo(torch.float32).min))
         sum_exp = (part_sum_exp * scale).sum(dim=0)
     row_sum = None if part_row_sum is None else part_row_sum.sum(dim=0)
-    return LSEStats(row_max, sum_exp, row_sum, col_sum, kept)
+    return LSEStats(row_max, sum_exp, row_sum, col_sum, kept, target_logit)
 
 
 def vocab_splits(row_blocks: int, vocab_blocks: int, device: torch.device) -> int:
