@@ -85,8 +85,8 @@ def linear_cross_entropy(
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
-        scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 16 is
-            the lean mode.
+        scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 12
+            (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
         check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs).
 
     Returns:

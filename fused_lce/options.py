@@ -34,7 +34,8 @@ IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "gemm", "tiles")
 
-# Environment variables that size the chunked paths and the cce scratch buffers (docs/options.md).
+# Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
+# the options table).
 ENV_VOCAB_CHUNK = "FUSED_LCE_VOCAB_CHUNK"
 ENV_TOKEN_CHUNK = "FUSED_LCE_TOKEN_CHUNK"
 ENV_SCRATCH_MB = "FUSED_LCE_SCRATCH_MB"
@@ -42,6 +43,8 @@ ENV_SCRATCH_MB = "FUSED_LCE_SCRATCH_MB"
 DEFAULT_VOCAB_CHUNK = 4096
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_SCRATCH_MB = 512.0
+LEAN_SCRATCH_MB = 12.0
+"""The lean mode's ``scratch_mb``: the cce backward's buffers then total under 16 MiB."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -139,7 +142,8 @@ class LCEOptions:
     """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024)."""
     scratch_mb: float | None = None
     """Upper bound on the cce backward's buffers (fp32 accumulators, gradient chunks) in MiB
-    (env FUSED_LCE_SCRATCH_MB, 512). 16 gives the lean mode; see docs/algorithm.md."""
+    (env FUSED_LCE_SCRATCH_MB, 512). ``LEAN_SCRATCH_MB`` (12) is the lean mode, under 16 MiB in
+    all; see docs/algorithm.md."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
