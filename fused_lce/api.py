@@ -50,6 +50,7 @@ def linear_cross_entropy(
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
+    tma: bool | None = None,
     check_targets: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``softcap(input @ weight.T + bias)`` against ``target``, without logits.
@@ -87,6 +88,8 @@ def linear_cross_entropy(
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
         scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 12
             (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
+        tma: cce: False keeps the pointer kernels rather than TMA tensor descriptors (env
+            FUSED_LCE_TMA=0); None: the environment's choice, on by default.
         check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs).
 
     Returns:
@@ -115,6 +118,7 @@ def linear_cross_entropy(
         vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size,
         scratch_mb=scratch_mb,
+        tma=tma,
     )
     loss, lse = _dispatch(input, weight, target, bias, opts, check_targets)
     return (loss, lse) if return_lse else loss
@@ -205,8 +209,6 @@ def validate(
     impl = resolve_impl(opts, input.device, input.dtype)
     if impl == "cce":
         _check_cce_supported(input)
-    # The environment's chunk sizes are read (and checked) here, before any kernel runs.
-    _ = (opts.scratch_bytes, opts.vocab_chunk, opts.token_chunk)
     if impl == "chunked" and opts.chunk_by == "tokens" and opts.reduction == "none":
         raise ValueError(
             "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "

@@ -79,6 +79,7 @@ def shard_statistics(
         want_col_sum=want_col_sum,
         round_16bit=opts.round_logits,
         keep_logits=keeps_logits(opts),
+        tma=opts.tma_allowed,
     )
 
 
@@ -164,6 +165,7 @@ def shard_backward(
             d_weight_accumulator=d_weight_accumulator,
             round_16bit=opts.round_logits,
             kept=kept,
+            tma=opts.tma_allowed,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None

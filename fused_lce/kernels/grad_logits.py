@@ -257,6 +257,7 @@ def grad_logits(
     vocab_start: int,
     softcap: float | None,
     round_16bit: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` (rows, cols) with G for the chunk's rows and ``weight[vocab_start:]`` columns.
 
@@ -279,7 +280,7 @@ def grad_logits(
     cfg = grad_logits_config(hidden_chunk.device, hidden_chunk.dtype)
     dot_fp32, precision = dot_settings(hidden_chunk.dtype)
     grid = (triton.cdiv(rows, cfg.block_n) * triton.cdiv(cols, cfg.block_v),)
-    tma = use_tma(hidden_chunk, weight)
+    tma = use_tma(hidden_chunk, weight, enabled=tma)
     e_arg, c_arg = hidden_chunk, weight
     if tma:
         e_arg = tma_descriptor(hidden_chunk, cfg.block_n, cfg.block_d)
@@ -368,14 +369,16 @@ def lce_backward_gemm(
     d_weight_accumulator: torch.Tensor | None = None,
     round_16bit: bool = False,
     kept: KeptLogits | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
     With ``kept`` (the forward's logits, ``recompute_logits=False``) G is formed in their
     storage, all of it at once, and no logit is recomputed: see ``_backward_from_kept``.
 
-    Arguments as for ``backward.lce_backward``; ``d_hidden_dtype`` (default: hidden's) lets a
-    vocabulary shard hand its partial d_hidden to the all-reduce in fp32. With
+    Arguments as for ``backward.lce_backward``; ``tma`` as for ``lse_forward``;
+    ``d_hidden_dtype`` (default: hidden's) lets a vocabulary shard hand its partial d_hidden to
+    the all-reduce in fp32. With
     ``d_weight_accumulator`` (an fp32 (V, D) buffer, e.g. Megatron's ``main_grad``) the weight
     gradient is added into it by the GEMMs themselves and d_weight is returned as None.
 
@@ -434,7 +437,7 @@ def lce_backward_gemm(
         ):
             _backward_in_weight_buffer(
                 hidden, weight, bias, target_local, lse, coefs, softcap, layout,
-                d_hidden, d_weight, d_bias, round_16bit,
+                d_hidden, d_weight, d_bias, round_16bit, tma,
             )
             return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
     # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
@@ -465,7 +468,7 @@ def lce_backward_gemm(
             g = grad_logits(
                 hidden_chunk, weight, bias, row_order, n_valid, target_local, lse, coefs,
                 g_buffer[:rows, :cols], row_start=row_start, vocab_start=vocab_start,
-                softcap=softcap, round_16bit=round_16bit,
+                softcap=softcap, round_16bit=round_16bit, tma=tma,
             )
             if round_in_torch:
                 g = g.to(hidden.dtype)
@@ -549,7 +552,7 @@ def plan_weight_buffer(
 
 def _backward_in_weight_buffer(
     hidden, weight, bias, target_local, lse, coefs, softcap, layout: WeightBufferLayout,
-    d_hidden, d_weight, d_bias, round_16bit,
+    d_hidden, d_weight, d_bias, round_16bit, tma,
 ):
     """The GEMM backward with its G chunk and fp32 dE accumulator inside ``d_weight``.
 
@@ -590,6 +593,7 @@ def _backward_in_weight_buffer(
         grad_logits(
             hidden, weight, bias, every_row, n_all, target_local, lse_all, coefs, target,
             row_start=0, vocab_start=start, softcap=softcap, round_16bit=round_16bit,
+            tma=tma,
         )
         if target is not out:
             out.copy_(target)
