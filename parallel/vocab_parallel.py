@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import class_ids, resolve_impl, validate
+from fused_lce.checks import class_ids, resolve_impl, validate
 from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, without_backward_options
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -144,6 +145,15 @@ def check_operands(
         )
     if bias is not None:
         check_vector("bias", bias, weight.shape[0], (hidden.dtype,))
+
+
+class RowCoefficients(Protocol):
+    """The logit gradient's per-row factors as the backward kernels read them, (N,) fp32 each
+    (fused_lce.terms.GradCoefficients is one; the kernels take any object with these)."""
+
+    p_coef: torch.Tensor
+    target_grad: torch.Tensor
+    smooth_coef: torch.Tensor | None  # None without label smoothing
 
 
 ENV_TMA = "FUSED_LCE_TMA"
