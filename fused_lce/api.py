@@ -16,14 +16,10 @@ import math
 import torch
 from torch import nn
 
+# validate, resolve_impl, class_ids and check_target_range live in checks.py, shared with the
+# vocab-parallel layer; they stay importable from here.
+from .checks import check_target_range, class_ids, resolve_impl, validate  # noqa: F401
 from .options import LCEOptions
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Class ids: torch's cross_entropy takes int64 and uint8; int32 (the kernels' own) and the narrow
-# signed types are taken too. Everything but int32 and int64 is widened to int64 first: uint8
-# compared with ignore_index=-100 would wrap around (156 == -100 in uint8).
-_TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def linear_cross_entropy(
@@ -50,6 +46,7 @@ def linear_cross_entropy(
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
+    tma: bool | None = None,
     check_targets: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``softcap(input @ weight.T + bias)`` against ``target``, without logits.
@@ -85,8 +82,10 @@ def linear_cross_entropy(
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
-        scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 16 is
-            the lean mode.
+        scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 12
+            (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
+        tma: cce: False keeps the pointer kernels rather than TMA tensor descriptors (env
+            FUSED_LCE_TMA=0); None: the environment's choice, on by default.
         check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs).
 
     Returns:
@@ -115,6 +114,7 @@ def linear_cross_entropy(
         vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size,
         scratch_mb=scratch_mb,
+        tma=tma,
     )
     loss, lse = _dispatch(input, weight, target, bias, opts, check_targets)
     return (loss, lse) if return_lse else loss
@@ -145,111 +145,6 @@ class LinearCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         return repr(self.options)
-
-
-def resolve_impl(opts: LCEOptions, device: torch.device, dtype: torch.dtype) -> str:
-    if opts.impl != "auto":
-        return opts.impl
-    return "cce" if device.type == "cuda" and dtype in _CCE_DTYPES else "chunked"
-
-
-def validate(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    opts: LCEOptions,
-    check_targets: bool,
-) -> None:
-    """Raise TypeError/ValueError naming the argument; run before anything is launched."""
-    for name, value in (("input", input), ("weight", weight), ("target", target)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"input must be a floating-point tensor, got dtype {input.dtype}")
-    if weight.dtype != input.dtype:
-        raise TypeError(f"weight must have input's dtype {input.dtype}, got {weight.dtype}")
-    if bias is not None and bias.dtype != input.dtype:
-        raise TypeError(f"bias must have input's dtype {input.dtype}, got {bias.dtype}")
-    if target.dtype not in _TARGET_DTYPES:
-        raise TypeError(
-            "target must hold integer class indices (int64, int32, int16, int8 or uint8), got "
-            f"dtype {target.dtype}"
-        )
-    if input.dim() < 1:
-        raise ValueError("input must have at least one dimension (..., D), got a scalar")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (V, D), got shape {tuple(weight.shape)}")
-    if input.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"input's last dimension ({input.shape[-1]}) must equal weight's second "
-            f"dimension D={weight.shape[1]}"
-        )
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(
-            f"target must have shape {tuple(input.shape[:-1])} (input's shape without D), "
-            f"got {tuple(target.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    for name, value in (("weight", weight), ("target", target), ("bias", bias)):
-        if value is not None and value.device != input.device:
-            raise ValueError(f"{name} is on {value.device} but input is on {input.device}")
-    n_classes = weight.shape[0] if opts.num_classes is None else opts.num_classes
-    if n_classes > weight.shape[0]:
-        raise ValueError(
-            f"num_classes ({n_classes}) must be at most weight's number of rows {weight.shape[0]}"
-        )
-    impl = resolve_impl(opts, input.device, input.dtype)
-    if impl == "cce":
-        _check_cce_supported(input)
-    # The environment's chunk sizes are read (and checked) here, before any kernel runs.
-    _ = (opts.scratch_bytes, opts.vocab_chunk, opts.token_chunk)
-    if impl == "chunked" and opts.chunk_by == "tokens" and opts.reduction == "none":
-        raise ValueError(
-            "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "
-            "use reduction='mean' or 'sum', or chunk_by='vocab'"
-        )
-    if check_targets:
-        check_target_range(target, opts.ignore_index, n_classes)
-
-
-def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) -> None:
-    """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
-    if target.numel() == 0:
-        return
-    target = class_ids(target)
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-    if bool(bad.any()):
-        first = target[bad].flatten()[0].item()
-        raise ValueError(
-            f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
-            f"({ignore_index})"
-        )
-
-
-def class_ids(target: torch.Tensor) -> torch.Tensor:
-    """``target`` as int32 or int64 class ids (the narrower types widened to int64)."""
-    if target.dtype in (torch.int32, torch.int64):
-        return target
-    return target.long()
-
-
-def _check_cce_supported(input: torch.Tensor) -> None:
-    from .kernels.common import INTERPRET
-
-    if input.dtype not in _CCE_DTYPES:
-        raise TypeError(
-            f"impl='cce' supports float16, bfloat16 and float32 inputs, got {input.dtype}; "
-            "use impl='chunked' or 'torch'"
-        )
-    if input.device.type != "cuda" and not (INTERPRET and input.device.type == "cpu"):
-        raise ValueError(
-            f"impl='cce' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
-            f"import), got device {input.device}; use impl='chunked' on this device"
-        )
 
 
 def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool):

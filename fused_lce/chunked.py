@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .engine import ShardGradRequest, ShardInputs, ShardStatistics
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
@@ -540,3 +541,51 @@ class _TokenChunkedLCE(torch.autograd.Function):
         # None only for inputs that asked for no gradient.
         scaled = tuple(None if d is None else d * grad_loss for d in (d_hidden, d_weight, d_bias))
         return (*scaled, None, None, None)
+
+
+class ChunkedShard:
+    """The vocabulary chunks on one shard: an engine.LCEFunction shard strategy (the vocab-
+    parallel layer's chunked impl; the single-device chunked path keeps its own Functions)."""
+
+    @staticmethod
+    def statistics(inputs: ShardInputs):
+        hidden, weight, target = inputs.hidden, inputs.weight, inputs.target
+        valid = (target != inputs.opts.ignore_index).nonzero().squeeze(1)
+        local = target.index_select(0, valid) - inputs.vocab_start
+        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
+        stats = vocab_statistics(hidden.index_select(0, valid), weight, inputs.bias, local,
+                                 inputs.opts)
+        n = hidden.shape[0]
+        fills = (float("-inf"), 0.0, 0.0, 0.0)
+        full = []
+        for value, fill in zip(stats, fills):
+            if value is None:
+                full.append(None)
+                continue
+            out = torch.full((n,), fill, dtype=value.dtype, device=value.device)
+            full.append(out.index_copy_(0, valid, value))
+        return (valid, local), ShardStatistics(*full)
+
+    @staticmethod
+    def backward(state, inputs: ShardInputs, request: ShardGradRequest):
+        valid, local = state
+        hidden, bias, needs = inputs.hidden, inputs.bias, request.needs
+        pick = lambda t: None if t is None else t.index_select(0, valid)  # noqa: E731
+        coefs = request.coefs
+        coefs = GradCoefficients(
+            pick(coefs.p_coef), pick(coefs.target_grad), pick(coefs.smooth_coef)
+        )
+        d_rows, d_weight, d_bias = vocab_backward(
+            hidden.index_select(0, valid), inputs.weight, bias, local, pick(request.lse), coefs,
+            inputs.opts, (True, needs[1], needs[2]),
+        )
+        partial_dtype = request.d_hidden_dtype
+        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
+        d_hidden.index_copy_(0, valid, d_rows.to(partial_dtype))
+        if d_bias is not None:
+            d_bias = d_bias.to(bias.dtype)
+        accumulator = request.d_weight_accumulator
+        if accumulator is not None and d_weight is not None:
+            accumulator.add_(d_weight)
+            d_weight = None
+        return d_hidden, d_weight, d_bias

@@ -1,10 +1,9 @@
-"""The cce autograd Function: the forward saves (lse, a few (N,) vectors), the backward recomputes.
+"""The cce path: the Triton kernels as a shard strategy of engine.LCEFunction.
 
-The pieces here are also the building blocks of the vocab-parallel layer (fused_lce.parallel):
-``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernel on one weight
-shard, ``masked_token_loss`` and ``masked_grad_coefficients`` turn global statistics into losses
-and into the backward's per-row coefficients, and ``shard_backward`` runs the backward on one
-shard. Nothing in this file talks to other ranks.
+The forward saves (lse, a few (N,) vectors), the backward recomputes. ``prepare_rows`` orders the
+tokens, ``shard_statistics`` runs the forward kernel on one weight shard and ``shard_backward``
+the backward; ``TritonShard`` is the strategy the engine calls on one device and in the
+vocab-parallel layer alike. Nothing in this file talks to other ranks.
 
 Per-row vectors (target, bias) reach the kernels with unit stride: the building blocks make a
 strided view contiguous once (a copy of N or V elements), and the launchers check it.
@@ -16,19 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .engine import LCEFunction, ShardCall, ShardGradRequest, ShardInputs, ShardStatistics
 from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .options import LCEOptions, without_backward_options
-from .terms import (
-    GradCoefficients,
-    grad_coefficients,
-    loss_gradient_per_token,
-    reduce_tokens,
-    refuse_double_backward,
-    target_nll,
-    token_loss,
-)
+from .terms import GradCoefficients
 
 _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
@@ -87,43 +79,13 @@ def shard_statistics(
         want_col_sum=want_col_sum,
         round_16bit=opts.round_logits,
         keep_logits=keeps_logits(opts),
+        tma=opts.tma_allowed,
     )
 
 
 def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
     """A per-row or per-column vector as the kernels read it (``ptr + i``)."""
     return None if vector is None else vector.contiguous()
-
-
-def masked_token_loss(
-    nll: torch.Tensor,
-    lse: torch.Tensor,
-    row_sum: torch.Tensor | None,
-    valid: torch.Tensor,
-    opts: LCEOptions,
-    n_classes: int,
-) -> torch.Tensor:
-    """Per-token loss (N,) from global statistics (``terms.target_nll``); 0 for ignored tokens."""
-    loss = token_loss(nll, lse, row_sum, n_classes, opts)
-    return torch.where(valid, loss, torch.zeros_like(loss))
-
-
-def masked_grad_coefficients(
-    grad_token: torch.Tensor,
-    grad_lse: torch.Tensor | None,
-    lse: torch.Tensor,
-    nll: torch.Tensor,
-    valid: torch.Tensor,
-    opts: LCEOptions,
-    n_classes: int,
-) -> GradCoefficients:
-    """The logit gradient's per-row coefficients, zero for ignored rows."""
-    zero = torch.zeros_like(grad_token)
-    g = torch.where(valid, grad_token, zero)
-    if grad_lse is not None:
-        grad_lse = torch.where(valid, grad_lse.float(), zero)
-    lse, nll = torch.where(valid, lse, zero), torch.where(valid, nll, zero)
-    return grad_coefficients(g, lse, nll, grad_lse, n_classes, opts)
 
 
 def filter_settings(
@@ -203,6 +165,7 @@ def shard_backward(
             d_weight_accumulator=d_weight_accumulator,
             round_16bit=opts.round_logits,
             kept=kept,
+            tma=opts.tma_allowed,
         )
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
@@ -240,57 +203,42 @@ def _into_accumulator(grads, d_weight_accumulator: torch.Tensor | None):
     return d_hidden, d_weight, d_bias
 
 
-class CCEFunction(torch.autograd.Function):
-    """Single-device cut cross-entropy. Inputs are validated and flattened by the caller."""
+class TritonShard:
+    """The Triton kernels on one shard: an engine.LCEFunction shard strategy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, opts: LCEOptions):
-        n_classes = weight.shape[0]
-        rows = prepare_rows(target, opts.ignore_index)
-        filter_code, _ = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
-        want_col_sum = use_vocab_sort(opts, filter_code)
+    def statistics(inputs: ShardInputs):
+        opts = inputs.opts
+        rows = prepare_rows(inputs.target, opts.ignore_index)
+        filter_code, _ = filter_settings(opts, inputs.hidden.dtype, 1, inputs.hidden.device)
         stats = shard_statistics(
-            hidden, weight, bias, target, rows, opts, want_col_sum=want_col_sum
+            inputs.hidden, inputs.weight, inputs.bias, inputs.target, rows, opts,
+            vocab_start=inputs.vocab_start, want_col_sum=use_vocab_sort(opts, filter_code),
         )
-        zero = torch.zeros_like(stats.max)
-        lse = torch.where(rows.valid, stats.lse, zero)
-        nll = torch.where(
-            rows.valid, target_nll(stats.max, stats.sum_exp, stats.target_logit), zero
-        )
-        loss = masked_token_loss(nll, lse, stats.row_sum, rows.valid, opts, n_classes)
-        loss = reduce_tokens(loss, rows.n_valid, opts.reduction)
-
-        ctx.save_for_backward(hidden, weight, bias, target, lse, nll, stats.col_sum)
-        ctx.rows = rows
-        ctx.kept = stats.kept
-        ctx.opts = opts
-        ctx.set_materialize_grads(False)
-        return loss, lse
+        state = TritonShardState(rows, stats.col_sum, stats.kept)
+        return state, ShardStatistics(stats.max, stats.sum_exp, stats.row_sum, stats.target_logit)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        refuse_double_backward("linear_cross_entropy(impl='cce')")
-        hidden, weight, bias, target, lse, nll, col_sum = ctx.saved_tensors
-        opts: LCEOptions = ctx.opts
-        rows: RowOrder = ctx.rows
-        kept, ctx.kept = ctx.kept, None  # freed with G at the end of this backward
-        n_rows, n_classes = hidden.shape[0], weight.shape[0]
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        if grad_loss is None and grad_lse is None:
-            return None, None, None, None, None
-        if grad_loss is None:
-            grad_token = torch.zeros((n_rows,), device=hidden.device, dtype=torch.float32)
-        else:
-            grad_token = loss_gradient_per_token(grad_loss, n_rows, rows.n_valid, opts.reduction)
-        coefs = masked_grad_coefficients(
-            grad_token, grad_lse, lse, nll, rows.valid, opts, n_classes
+    def backward(state: TritonShardState, inputs: ShardInputs, request: ShardGradRequest):
+        kept, state.kept = state.kept, None  # freed with G at the end of this backward
+        target_local = local_targets(
+            inputs.target, state.rows.valid, inputs.vocab_start, inputs.weight.shape[0]
         )
-        target_local = local_targets(target, rows.valid, 0, n_classes)
-        d_hidden, d_weight, d_bias = shard_backward(
-            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, n_classes, needs,
-            kept=kept,
+        return shard_backward(
+            inputs.hidden, inputs.weight, inputs.bias, target_local, state.rows, request.lse,
+            request.coefs, state.col_sum, inputs.opts, inputs.num_classes, request.needs,
+            d_hidden_dtype=request.d_hidden_dtype,
+            d_weight_accumulator=request.d_weight_accumulator, kept=kept,
         )
-        return d_hidden, d_weight, d_bias, None, None
+
+
+@dataclass
+class TritonShardState:
+    """What the forward leaves for the backward besides the saved tensors."""
+
+    rows: RowOrder
+    col_sum: torch.Tensor | None  # (V_local,) for vocab sorting
+    kept: KeptLogits | None  # the forward's logits (keeps_logits), consumed by the backward
 
 
 def cce_linear_cross_entropy(
@@ -305,4 +253,6 @@ def cce_linear_cross_entropy(
         weight = weight[: opts.num_classes]
         bias = None if bias is None else bias[: opts.num_classes]
     opts = without_backward_options(opts, hidden, weight, bias)
-    return CCEFunction.apply(hidden, weight, bias, target, opts)
+    n_classes = weight.shape[0]
+    call = ShardCall(opts, "cce", vocab_start=0, local_classes=n_classes, num_classes=n_classes)
+    return LCEFunction.apply(hidden, weight, bias, target, call)

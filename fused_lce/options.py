@@ -34,14 +34,18 @@ IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "gemm", "tiles")
 
-# Environment variables that size the chunked paths and the cce scratch buffers (docs/options.md).
+# Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
+# the options table).
 ENV_VOCAB_CHUNK = "FUSED_LCE_VOCAB_CHUNK"
 ENV_TOKEN_CHUNK = "FUSED_LCE_TOKEN_CHUNK"
 ENV_SCRATCH_MB = "FUSED_LCE_SCRATCH_MB"
+ENV_TMA = "FUSED_LCE_TMA"  # "0": the pointer kernels (LCEOptions.tma)
 
 DEFAULT_VOCAB_CHUNK = 4096
 DEFAULT_TOKEN_CHUNK = 1024
 DEFAULT_SCRATCH_MB = 512.0
+LEAN_SCRATCH_MB = 12.0
+"""The lean mode's ``scratch_mb``: the cce backward's buffers then total under 16 MiB."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -139,7 +143,17 @@ class LCEOptions:
     """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024)."""
     scratch_mb: float | None = None
     """Upper bound on the cce backward's buffers (fp32 accumulators, gradient chunks) in MiB
-    (env FUSED_LCE_SCRATCH_MB, 512). 16 gives the lean mode; see docs/algorithm.md."""
+    (env FUSED_LCE_SCRATCH_MB, 512). ``LEAN_SCRATCH_MB`` (12) is the lean mode, under 16 MiB in
+    all; see docs/algorithm.md."""
+    tma: bool | None = None
+    """cce: read 16-bit tiles through tensor descriptors (TMA) where the GPU (sm_90+) and the
+    layout (16-byte aligned rows) allow; False keeps the pointer kernels (env FUSED_LCE_TMA,
+    "0" for False; default True)."""
+
+    # The environment is read here, once, when the options are built (a frozen options object
+    # then behaves the same for the whole run): the chunk sizes, the scratch budget and TMA.
+    # Their resolved values live outside the fields (no repr, no comparison) and are read
+    # through the properties below.
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -196,21 +210,41 @@ class LCEOptions:
             _check_float("scratch_mb", self.scratch_mb)
             if not self.scratch_mb > 0:
                 raise ValueError(f"scratch_mb must be > 0, got {self.scratch_mb}")
+        if self.tma is not None and not isinstance(self.tma, bool):
+            raise TypeError(f"tma must be a bool or None, got {self.tma!r}")
+        self._resolve_environment()
+
+    def _resolve_environment(self) -> None:
+        resolved = {
+            "_vocab_chunk": self.vocab_chunk_size
+            or _env_int(ENV_VOCAB_CHUNK, DEFAULT_VOCAB_CHUNK),
+            "_token_chunk": self.token_chunk_size
+            or _env_int(ENV_TOKEN_CHUNK, DEFAULT_TOKEN_CHUNK),
+            "_scratch_bytes": int(
+                (self.scratch_mb if self.scratch_mb is not None
+                 else _env_float(ENV_SCRATCH_MB, DEFAULT_SCRATCH_MB)) * 2**20
+            ),
+            "_tma": self.tma if self.tma is not None else os.environ.get(ENV_TMA, "1") != "0",
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
 
     @property
     def vocab_chunk(self) -> int:
-        return self.vocab_chunk_size or _env_int(ENV_VOCAB_CHUNK, DEFAULT_VOCAB_CHUNK)
+        return self._vocab_chunk
 
     @property
     def token_chunk(self) -> int:
-        return self.token_chunk_size or _env_int(ENV_TOKEN_CHUNK, DEFAULT_TOKEN_CHUNK)
+        return self._token_chunk
 
     @property
     def scratch_bytes(self) -> int:
-        mib = self.scratch_mb if self.scratch_mb is not None else _env_float(
-            ENV_SCRATCH_MB, DEFAULT_SCRATCH_MB
-        )
-        return int(mib * 2**20)
+        return self._scratch_bytes
+
+    @property
+    def tma_allowed(self) -> bool:
+        """``tma``, or FUSED_LCE_TMA where it is None, as read when the options were built."""
+        return self._tma
 
     def filter_mode(self, dtype: torch.dtype) -> tuple[str, float]:
         """("off" | "mass" | "entry", threshold) for inputs of ``dtype``."""
@@ -230,7 +264,15 @@ def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> 
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     if wanted or opts.recompute_logits:
         return opts
-    return replace(opts, recompute_logits=True)
+    return replace_keeping_environment(opts, recompute_logits=True)
+
+
+def replace_keeping_environment(opts: LCEOptions, **changes) -> LCEOptions:
+    """``dataclasses.replace``, keeping what ``opts`` read from the environment when built."""
+    new = replace(opts, **changes)
+    for name in ("_vocab_chunk", "_token_chunk", "_scratch_bytes", "_tma"):
+        object.__setattr__(new, name, getattr(opts, name))
+    return new
 
 
 def _check_float(name: str, value: object) -> None:

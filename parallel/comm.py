@@ -7,6 +7,8 @@ tensor-parallel group. Every function is a thin wrapper that names what it does 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -60,6 +62,31 @@ def reduce_scatter_first_dim(tensor: torch.Tensor, group) -> torch.Tensor:
         out = tensor.new_empty((rows, *tensor.shape[1:]))
     dist.reduce_scatter_tensor(out, tensor, group=group)
     return out
+
+
+class GroupReducer:
+    """fused_lce.engine's ShardReducer over ``group``: the cross-rank parts of the loss."""
+
+    def __init__(self, group, sequence_parallel: bool) -> None:
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.world_size = world_size(group)
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max_(tensor, self.group)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum_(tensor, self.group)
+
+    def gather_input(self, input: torch.Tensor) -> torch.Tensor:
+        hidden = all_gather_first_dim(input, self.group) if self.sequence_parallel else input
+        return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # D = 0 too
+
+    def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
+        # Every rank holds a partial sum of d_hidden over its classes: sum them in fp32.
+        if self.sequence_parallel:
+            return reduce_scatter_first_dim(d_hidden, self.group)
+        return all_reduce_sum_(d_hidden, self.group)
 
 
 # Host-side collectives: small agreements that must not wait for the GPU (parallel/agreement.py).

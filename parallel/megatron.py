@@ -241,10 +241,11 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
         model: a GPTModel, a wrapper (DDP, Float16Module, ...) or a list of them; every GPTModel
             inside is patched. None patches the GPTModel class, so every model built afterwards
             is (the Megatron-LM plugin route).
-        options: passed to the op: ``softcap``, ``z_loss``, ``label_smoothing``, ``backward``,
-            ``filter_eps``, ``scratch_mb``, ``deterministic``, ``vocab_size`` (the true vocabulary
-            size when Megatron pads it; default: every row of the output weight is a class, as in
-            Megatron's own loss).
+        options: passed to the op, each an ``LCEOptions`` field of the same name: ``softcap``,
+            ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
+            ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``; and
+            ``vocab_size`` (the true vocabulary size when Megatron pads it; default: every row of
+            the output weight is a class, as in Megatron's own loss).
         options_from: instead of ``options``, a function returning them, called at the first
             cce loss (Megatron-LM parses its command line after the plugin is installed).
 

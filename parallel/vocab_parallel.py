@@ -33,22 +33,12 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from fused_lce.api import class_ids, resolve_impl, validate
+from fused_lce.checks import class_ids, resolve_impl, validate
+from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, without_backward_options
-from fused_lce.terms import (
-    GradCoefficients,
-    grad_coefficients,
-    loss_gradient_per_token,
-    reduce_tokens,
-    refuse_double_backward,
-    target_nll,
-    token_loss,
-)
 
 from . import agreement, comm
 
@@ -78,6 +68,7 @@ def vocab_parallel_linear_cross_entropy(
     recompute_logits: bool = True,
     vocab_chunk_size: int | None = None,
     scratch_mb: float | None = None,
+    tma: bool | None = None,
     check_targets: bool = True,
     debug: bool = False,
     weight_grad_accumulator: torch.Tensor | None = None,
@@ -124,7 +115,7 @@ def vocab_parallel_linear_cross_entropy(
         softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
         vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
         recompute_logits=recompute_logits, vocab_chunk_size=vocab_chunk_size,
-        scratch_mb=scratch_mb,
+        scratch_mb=scratch_mb, tma=tma,
     )
     # Every check that could fail on one rank only runs before the ranks' one agreement
     # collective, which carries its verdict: a rank that raised alone would leave its peers
@@ -150,128 +141,18 @@ def vocab_parallel_linear_cross_entropy(
     target = class_ids(target)  # narrow and unsigned ids widened, as the single-device op does
     local_classes = max(0, min(weight.shape[0], num_classes - start))
     opts = without_backward_options(opts, input, weight, bias)
-    loss, lse = _VocabParallelLCE.apply(
-        input, weight, bias, target, opts, group, start, local_classes, num_classes,
-        sequence_parallel, weight_grad_accumulator,
+    call = ShardCall(
+        opts, resolve_impl(opts, input.device, input.dtype), vocab_start=start,
+        local_classes=local_classes, num_classes=num_classes,
+        reducer=comm.GroupReducer(group, sequence_parallel),
+        weight_grad_accumulator=weight_grad_accumulator,
+        caller="vocab_parallel_linear_cross_entropy",
     )
+    loss, lse = LCEFunction.apply(input, weight, bias, target, call)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     lse = lse.reshape(target.shape)
     return (loss, lse) if return_lse else loss
-
-
-class _VocabParallelLCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, weight, bias, target, opts: LCEOptions, group, vocab_start: int,
-                local_classes: int, num_classes: int, sequence_parallel: bool,
-                weight_grad_accumulator):
-        hidden = _gather_hidden(input, group, sequence_parallel)
-        flat_target = target.reshape(-1)
-        shard_w = weight[:local_classes]
-        shard_b = None if bias is None else bias[:local_classes]
-        impl = resolve_impl(opts, hidden.device, hidden.dtype)
-        shard = _shard_ops(impl, local_classes)
-        state, (row_max, sum_exp, row_sum, target_logit) = shard.statistics(
-            hidden, shard_w, shard_b, flat_target, opts, vocab_start
-        )
-        valid = flat_target != opts.ignore_index
-
-        # One MAX for the shift, one SUM for everything that adds up across shards.
-        global_max = comm.all_reduce_max_(row_max.clone(), group)
-        finite_max = torch.where(torch.isfinite(global_max), global_max, 0.0)
-        packed = [sum_exp * torch.exp(row_max - finite_max), target_logit]
-        if row_sum is not None:
-            packed.append(row_sum)
-        packed = comm.all_reduce_sum_(torch.stack(packed).float(), group)
-        lse = finite_max + torch.log(packed[0])
-        nll = target_nll(finite_max, packed[0], packed[1])
-        global_row_sum = packed[2] if row_sum is not None else None
-        loss = token_loss(nll, lse, global_row_sum, num_classes, opts)
-        zero = torch.zeros_like(loss)
-        loss = torch.where(valid, loss, zero)
-        lse = torch.where(valid, lse, zero)
-        nll = torch.where(valid, nll, zero)
-        n_valid = valid.sum()
-        loss = reduce_tokens(loss, n_valid, opts.reduction)
-
-        ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
-        ctx.state = state
-        ctx.opts, ctx.group, ctx.impl = opts, group, impl
-        ctx.vocab_start, ctx.local_classes = vocab_start, local_classes
-        ctx.num_classes = num_classes
-        ctx.sequence_parallel = sequence_parallel
-        ctx.weight_grad_accumulator = weight_grad_accumulator
-        ctx.weight_param = weight if weight_grad_accumulator is not None else None
-        ctx.set_materialize_grads(False)
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        refuse_double_backward("vocab_parallel_linear_cross_entropy")
-        input, weight, bias, target, lse, nll, n_valid = ctx.saved_tensors
-        opts: LCEOptions = ctx.opts
-        needs = tuple(ctx.needs_input_grad[:3])
-        if grad_loss is None and grad_lse is None:
-            return (None,) * 11
-        hidden = _gather_hidden(input, ctx.group, ctx.sequence_parallel)
-        n_rows = hidden.shape[0]
-        valid = target != opts.ignore_index
-        zero = torch.zeros_like(lse)
-        g = zero
-        if grad_loss is not None:
-            g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction)
-        g = torch.where(valid, g, zero)
-        if grad_lse is not None:
-            grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
-        coefs = grad_coefficients(g, lse, nll, grad_lse, ctx.num_classes, opts)
-
-        local = ctx.local_classes
-        shard_w = weight[:local]
-        shard_b = None if bias is None else bias[:local]
-        shard = _shard_ops(ctx.impl, local)
-        accumulator = ctx.weight_grad_accumulator
-        shard_acc = None if accumulator is None or not needs[1] else accumulator[:local]
-        # Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer.
-        partial_dtype = torch.float32 if comm.world_size(ctx.group) > 1 else input.dtype
-        d_hidden, d_shard_w, d_shard_b = shard.backward(
-            ctx.state, hidden, shard_w, shard_b, target, lse, coefs, opts, ctx.vocab_start,
-            ctx.num_classes, needs, shard_acc, partial_dtype,
-        )
-        del hidden  # under SP a gathered copy: free it before the reduce-scatter
-
-        d_input = None
-        if needs[0]:
-            # Every rank holds a partial sum of d_hidden over its classes: sum them in fp32.
-            if ctx.sequence_parallel:
-                d_input = comm.reduce_scatter_first_dim(d_hidden, ctx.group)
-            else:
-                d_input = comm.all_reduce_sum_(d_hidden, ctx.group)
-            d_input = d_input.to(input.dtype).reshape(input.shape)
-        d_weight = None
-        if needs[1] and accumulator is None:
-            d_weight = _pad_rows(d_shard_w, weight)
-        elif needs[1] and hasattr(ctx.weight_param, "grad_added_to_main_grad"):
-            # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
-            # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
-            ctx.weight_param.grad_added_to_main_grad = True
-            d_weight = torch.empty_like(weight)
-        d_bias = _pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
-        return d_input, d_weight, d_bias, None, None, None, None, None, None, None, None
-
-
-def _pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The shard's gradient with zero rows for vocabulary padding past the real classes."""
-    if grad is not None and grad.shape[0] == like.shape[0]:
-        return grad.to(like.dtype)
-    out = torch.zeros_like(like)
-    if grad is not None:
-        out[: grad.shape[0]] = grad
-    return out
-
-
-def _gather_hidden(input: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    hidden = comm.all_gather_first_dim(input, group) if sequence_parallel else input
-    return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # D = 0 too
 
 
 def _check_call(input, weight, target, bias, options: dict, group, sequence_parallel,
@@ -338,114 +219,3 @@ def _call_facts(input, weight, target, bias, weight_grad_accumulator, options: d
     }
     facts.update({name: repr(value) for name, value in {**options, **more}.items()})
     return facts
-
-
-class _CCEShard:
-    """The Triton kernels on one shard (fused_lce.function's building blocks)."""
-
-    @staticmethod
-    def statistics(hidden, weight, bias, target, opts, vocab_start):
-        from fused_lce.function import (
-            filter_settings,
-            prepare_rows,
-            shard_statistics,
-            use_vocab_sort,
-        )
-
-        rows = prepare_rows(target, opts.ignore_index)
-        filter_code, _ = filter_settings(opts, hidden.dtype, 1, hidden.device)
-        stats = shard_statistics(
-            hidden, weight, bias, target, rows, opts, vocab_start=vocab_start,
-            want_col_sum=use_vocab_sort(opts, filter_code),
-        )
-        state = (rows, stats.col_sum, stats.kept)
-        return state, (stats.max, stats.sum_exp, stats.row_sum, stats.target_logit)
-
-    @staticmethod
-    def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs, d_weight_accumulator, partial_dtype):
-        from fused_lce.function import local_targets, shard_backward
-
-        rows, col_sum, kept = state
-        target_local = local_targets(target, rows.valid, vocab_start, weight.shape[0])
-        return shard_backward(
-            hidden, weight, bias, target_local, rows, lse, coefs, col_sum, opts, num_classes,
-            needs, d_hidden_dtype=partial_dtype, d_weight_accumulator=d_weight_accumulator,
-            kept=kept,
-        )
-
-
-class _ChunkedShard:
-    """The pure-PyTorch vocabulary chunks on one shard (fused_lce.chunked)."""
-
-    @staticmethod
-    def statistics(hidden, weight, bias, target, opts, vocab_start):
-        from fused_lce.chunked import vocab_statistics
-
-        valid = (target != opts.ignore_index).nonzero().squeeze(1)
-        local = target.index_select(0, valid) - vocab_start
-        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
-        stats = vocab_statistics(hidden.index_select(0, valid), weight, bias, local, opts)
-        n = hidden.shape[0]
-        fills = (float("-inf"), 0.0, 0.0, 0.0)
-        full = []
-        for value, fill in zip(stats, fills):
-            if value is None:
-                full.append(None)
-                continue
-            out = torch.full((n,), fill, dtype=value.dtype, device=value.device)
-            full.append(out.index_copy_(0, valid, value))
-        return (valid, local), tuple(full)
-
-    @staticmethod
-    def backward(state, hidden, weight, bias, target, lse, coefs: GradCoefficients, opts,
-                 vocab_start, num_classes, needs, d_weight_accumulator, partial_dtype):
-        from fused_lce.chunked import vocab_backward
-
-        valid, local = state
-        pick = lambda t: None if t is None else t.index_select(0, valid)  # noqa: E731
-        coefs = GradCoefficients(
-            pick(coefs.p_coef), pick(coefs.target_grad), pick(coefs.smooth_coef)
-        )
-        d_rows, d_weight, d_bias = vocab_backward(
-            hidden.index_select(0, valid), weight, bias, local, pick(lse), coefs, opts,
-            (True, needs[1], needs[2]),
-        )
-        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
-        d_hidden.index_copy_(0, valid, d_rows.to(partial_dtype))
-        if d_bias is not None:
-            d_bias = d_bias.to(bias.dtype)
-        if d_weight_accumulator is not None and d_weight is not None:
-            d_weight_accumulator.add_(d_weight)
-            d_weight = None
-        return d_hidden, d_weight, d_bias
-
-
-class _EmptyShard:
-    """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
-    in every collective like the others."""
-
-    @staticmethod
-    def statistics(hidden, weight, bias, target, opts, vocab_start):
-        n = hidden.shape[0]
-        zeros = torch.zeros((n,), dtype=torch.float32, device=hidden.device)
-        row_sum = zeros if opts.label_smoothing > 0 else None
-        return None, (torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
-
-    @staticmethod
-    def backward(state, hidden, weight, bias, target, lse, coefs, opts, vocab_start,
-                 num_classes, needs, d_weight_accumulator, partial_dtype):
-        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
-        d_weight = None if d_weight_accumulator is not None else weight.new_zeros(weight.shape)
-        d_bias = None if bias is None else bias.new_zeros(bias.shape)
-        return d_hidden, d_weight, d_bias
-
-
-def _shard_ops(impl: str, local_classes: int):
-    if local_classes == 0:
-        return _EmptyShard
-    if impl == "cce":
-        return _CCEShard
-    if impl == "chunked":
-        return _ChunkedShard
-    raise ValueError(f"vocab-parallel impl must be 'cce', 'chunked' or 'auto', got {impl!r}")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_lce import linear_cross_entropy  # noqa: E402
+from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 MIB = 2**20
@@ -106,7 +107,9 @@ def torch_loss(hidden, weight, target):
 def providers(names: list[str]) -> dict:
     table = {
         "cce": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce"),
-        "cce-lean": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", scratch_mb=12),
+        "cce-lean": lambda h, w, t: linear_cross_entropy(
+            h, w, t, impl="cce", scratch_mb=LEAN_SCRATCH_MB
+        ),
         "cce-kept": lambda h, w, t: linear_cross_entropy(
             h, w, t, impl="cce", recompute_logits=False
         ),

@@ -69,11 +69,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
 from lce_train.configs import known_models, load_model_config  # noqa: E402
 
 MIB = 2**20
-LEAN_SCRATCH_MB = 12
-"""``ours-lean``: the op's scratch bound in MiB (the lean mode of docs/algorithm.md)."""
 PROVIDERS = ("ours", "ours-lean", "ours-kept", "megatron", "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
 SMOKE_SHAPE = (48, 32, 1003)

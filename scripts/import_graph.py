@@ -197,12 +197,7 @@ RULES = [
 
 # Edges that break a rule today, each with the reason; tests/test_import_graph.py fails on any
 # other. Remove an entry when its edge goes.
-KNOWN_BREAKS = {
-    ("fused_lce.kernels.backward", "fused_lce.terms"):
-        "the tiles backward takes GradCoefficients from the layer above (issue 16, item 3)",
-    ("fused_lce.parallel.vocab_parallel", "fused_lce.api"):
-        "vocab_parallel borrows the front door's validate, resolve_impl and class_ids",
-}
+KNOWN_BREAKS: dict[tuple[str, str], str] = {}
 
 
 def broken_rules(edges: list[Edge]) -> dict[str, list[Edge]]:

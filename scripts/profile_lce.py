@@ -13,7 +13,6 @@ sync) or the GPU is the bottleneck.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,8 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
-from fused_lce.kernels.common import ENV_TMA  # noqa: E402
+from fused_lce.kernels import gemm_plan  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 
@@ -68,12 +66,11 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--chunk-cols", type=int, default=None,
                         help="GEMM backward: columns per G chunk when every row fits "
-                        "(grad_logits.MAX_CHUNK_COLS)")
+                        "(gemm_plan.MAX_CHUNK_COLS)")
     args = parser.parse_args(argv)
-    if args.tma is not None:
-        os.environ[ENV_TMA] = args.tma
+    tma = None if args.tma is None else args.tma == "1"
     if args.chunk_cols is not None:
-        grad_logits_module.MAX_CHUNK_COLS = args.chunk_cols
+        gemm_plan.MAX_CHUNK_COLS = args.chunk_cols
     cfg = load_model_config(args.model)
     torch.manual_seed(0)
     hidden = torch.randn(args.tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +84,7 @@ def main(argv=None) -> None:
         weight.grad = None
         loss = linear_cross_entropy(hidden, weight, target, impl="cce",
                                     scratch_mb=args.scratch_mb, backward=args.backward,
-                                    check_targets=args.check_targets)
+                                    check_targets=args.check_targets, tma=tma)
         loss.backward()
 
     for _ in range(3):
@@ -110,8 +107,8 @@ def main(argv=None) -> None:
     busy_us, gaps = busy_and_gaps(intervals)
     span_us = intervals[-1][1] - intervals[0][0]
     label = (f"{args.model} N={args.tokens} scratch_mb={args.scratch_mb} "
-             f"check_targets={args.check_targets} tma={os.environ.get(ENV_TMA, '1')} "
-             f"chunk_cols={grad_logits_module.MAX_CHUNK_COLS}")
+             f"check_targets={args.check_targets} tma={'env' if tma is None else int(tma)} "
+             f"chunk_cols={gemm_plan.MAX_CHUNK_COLS}")
     print(f"# {label}")
     print(f"wall {wall_ms:.2f} ms/step (events, no profiler); under the profiler: span "
           f"{span_us / 1e3 / args.steps:.2f}, GPU busy {busy_us / 1e3 / args.steps:.2f}, "

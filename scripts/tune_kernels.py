@@ -5,14 +5,13 @@
 We pin one config per GPU family in the kernel files (no autotuning at run time, for fast start-up
 and reproducible results); this script is how those pins are chosen. It times the linear-log-sum-exp
 forward and the logit-gradient kernel of the GEMM backward at a model's shape, beside the cuBLAS
-GEMM of the same size, with the tiles read through tensor descriptors (TMA, FUSED_LCE_TMA=1) and
-through pointers (0).
+GEMM of the same size, with the tiles read through tensor descriptors (TMA, the launchers'
+``tma=True``) and through pointers (0).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fused_lce.function import grad_coefficients, prepare_rows  # noqa: E402
 from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
 from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
-from fused_lce.kernels.common import ENV_TMA, TileConfig  # noqa: E402
+from fused_lce.kernels.common import TileConfig  # noqa: E402
 from fused_lce.options import LCEOptions  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
@@ -66,11 +65,10 @@ def main(argv=None) -> None:
 
     family = "hopper"
     for tma, cand in [(t, c) for t in args.tma for c in candidates]:
-        os.environ[ENV_TMA] = tma
         lse_module._CONFIGS[family] = lse_module._CONFIGS[f"{family}-tma"] = cand
         try:
-            ms = do_bench(lambda: lse_module.lse_forward(hidden, weight, None, rows.order,
-                                                         rows.n_valid),
+            ms = do_bench(lambda tma=tma: lse_module.lse_forward(hidden, weight, None, rows.order,
+                                                         rows.n_valid, tma=tma == "1"),
                           rep=300, return_mode="median")
             print(f"lse_forward  tma={tma} {cand}: {ms:7.2f} ms  ({mm_ms / ms:4.0%} of cuBLAS)",
                   flush=True)
@@ -87,13 +85,12 @@ def main(argv=None) -> None:
     buf = torch.empty((n, cols), device="cuda", dtype=torch.bfloat16)
     chunk_mm = do_bench(lambda: hidden @ weight[:cols].t(), rep=300, return_mode="median")
     for tma, cand in [(t, c) for t in args.tma for c in candidates]:
-        os.environ[ENV_TMA] = tma
         grad_logits_module._CONFIGS[family] = cand
 
-        def run():
+        def run(tma=tma):
             grad_logits_module.grad_logits(hidden, weight, None, rows.order, rows.n_valid,
                                            target_local, lse, coefs, buf, row_start=0,
-                                           vocab_start=0, softcap=None)
+                                           vocab_start=0, softcap=None, tma=tma == "1")
         try:
             ms = do_bench(run, rep=300, return_mode="median")
             print(f"grad_logits  tma={tma} {cand}: {ms:7.3f} ms per {cols}-column chunk "

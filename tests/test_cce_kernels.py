@@ -25,7 +25,6 @@ from fused_lce.kernels.backward import (
     FILTER_ENTRY,
     FILTER_MASS,
     FILTER_OFF,
-    GradCoefficients,
     backward_config,
     lce_backward,
     plan_chunks,
@@ -34,6 +33,7 @@ from fused_lce.kernels.common import ENV_TMA, use_tma
 from fused_lce.kernels.grad_logits import grad_logits, lce_backward_gemm
 from fused_lce.kernels.lse_forward import lse_forward
 from fused_lce.options import LCEOptions
+from fused_lce.terms import GradCoefficients
 
 N, V, D = 150, 307, 70
 CPU = torch.device("cpu")

@@ -1,1 +1,5 @@
-"""Triton kernels, one per file, each with its launcher: lse_forward, backward, grad_logits."""
+"""Triton kernels, one per file (or a close pair), each with its launcher: lse_forward (the
+forward log-sum-exp and target logit), grad_logits (the default GEMM backward's logit-gradient
+chunks, the kernel that forms them from kept logits, and the GEMM backward's host driver, whose
+chunk sizes and borrowed-buffer layout gemm_plan plans), backward (the fused tiles backward with
+filtering), and common (what they share)."""

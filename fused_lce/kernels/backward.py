@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..terms import GradCoefficients
 from .common import (
+    RowCoefficients,
     TileConfig,
     check_operands,
     check_scalar,
@@ -331,7 +331,7 @@ def check_row_vectors(
     row_order: torch.Tensor,
     n_valid: torch.Tensor,
     lse: torch.Tensor,
-    coefs: GradCoefficients,
+    coefs: RowCoefficients,
 ) -> None:
     """The per-row inputs of the backward kernels: (N,) unit-stride vectors of their dtypes."""
     check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
@@ -353,7 +353,7 @@ def lce_backward(
     row_order: torch.Tensor,
     n_valid: torch.Tensor,
     lse: torch.Tensor,
-    coefs: GradCoefficients,
+    coefs: RowCoefficients,
     *,
     softcap: float | None,
     filter_mode: int,

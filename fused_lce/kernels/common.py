@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -146,17 +147,35 @@ def check_operands(
         check_vector("bias", bias, weight.shape[0], (hidden.dtype,))
 
 
+class RowCoefficients(Protocol):
+    """The logit gradient's per-row factors as the backward kernels read them, (N,) fp32 each
+    (fused_lce.terms.GradCoefficients is one; the kernels take any object with these)."""
+
+    p_coef: torch.Tensor
+    target_grad: torch.Tensor
+    smooth_coef: torch.Tensor | None  # None without label smoothing
+
+
 ENV_TMA = "FUSED_LCE_TMA"
 
 
-def use_tma(*tensors: torch.Tensor) -> bool:
+def tma_from_env() -> bool:
+    """``FUSED_LCE_TMA``: ``0`` selects the pointer kernels; unset or anything else allows TMA."""
+    return os.environ.get(ENV_TMA, "1") != "0"
+
+
+def use_tma(*tensors: torch.Tensor, enabled: bool | None = None) -> bool:
     """Whether the kernels may read these 16-bit (rows, D) tensors through tensor descriptors.
 
     Hopper and newer GPUs have the copy engine; the interpreter emulates it, which keeps the TMA
     kernels under CI. The descriptors need a unit last stride and 16-byte aligned rows and base.
-    ``FUSED_LCE_TMA=0`` selects the pointer kernels everywhere.
+    ``enabled=False`` selects the pointer kernels (the op passes ``LCEOptions.tma``, resolved
+    once when its options are built); None reads ``FUSED_LCE_TMA`` (``0``: off), for launchers
+    called directly.
     """
-    if os.environ.get(ENV_TMA, "1") == "0":
+    if enabled is None:
+        enabled = tma_from_env()
+    if not enabled:
         return False
     first = tensors[0]
     if first.dtype not in (torch.bfloat16, torch.float16):

@@ -10,12 +10,11 @@ two GEMMs consume it, with no atomics at all:
 
 The kernel recomputes the logit tile as the fused backward does and forms G with the same
 ``grad_from_logits``, so the two paths share their math; on Hopper it reads its tiles through
-the copy engine (TMA). Rows past the last non-ignored token get G = 0.
+the copy engine (TMA). Rows past the last non-ignored token get G = 0. How large a chunk is, and
+whether the buffers borrow the weight gradient's storage, is planned in gemm_plan.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +34,15 @@ from .common import (
     round_code,
     tma_descriptor,
     use_tma,
+)
+from .gemm_plan import (
+    MAX_SECOND_PASS,
+    MIN_BORROWED_COLS,
+    MIN_TOKEN_CHUNK_ROWS,
+    WeightBufferLayout,
+    _rows_holding,
+    plan_gemm_chunks,
+    plan_weight_buffer,
 )
 from .lse_forward import KeptLogits, valid_rows
 
@@ -257,6 +265,7 @@ def grad_logits(
     vocab_start: int,
     softcap: float | None,
     round_16bit: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` (rows, cols) with G for the chunk's rows and ``weight[vocab_start:]`` columns.
 
@@ -279,7 +288,7 @@ def grad_logits(
     cfg = grad_logits_config(hidden_chunk.device, hidden_chunk.dtype)
     dot_fp32, precision = dot_settings(hidden_chunk.dtype)
     grid = (triton.cdiv(rows, cfg.block_n) * triton.cdiv(cols, cfg.block_v),)
-    tma = use_tma(hidden_chunk, weight)
+    tma = use_tma(hidden_chunk, weight, enabled=tma)
     e_arg, c_arg = hidden_chunk, weight
     if tma:
         e_arg = tma_descriptor(hidden_chunk, cfg.block_n, cfg.block_d)
@@ -310,45 +319,6 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-# Measured on an H100 (docs/benchmarks/single_gpu_h100_202611/run3): 16384 columns rather than
-# 4096 take 1.1 ms (Gemma-2 2B) and 1.7 ms (Llama-3 8B) off a step of 8192 tokens, mostly in the
-# fp32 dE accumulation, which re-reads its (N, D) accumulator once per chunk.
-MAX_CHUNK_COLS = 16384
-
-
-def plan_gemm_chunks(
-    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int, min_tiles: int
-) -> tuple[int, int]:
-    """(rows, cols) per chunk so that the chunk's buffers fit ``scratch_bytes``.
-
-    A token chunk holds an fp32 dE accumulator and the gathered hidden rows (``d_model * (4 +
-    elem_bytes)`` bytes a row); the G buffer takes ``rows * cols * elem_bytes``. One chunk of
-    every row is preferred: the weight gradient is then one GEMM per vocabulary chunk,
-    accumulated in fp32 from start to end. Under a tight budget the rows shrink until a G chunk
-    still has ``min_tiles`` tiles of 128 x 256 (a full wave of the GPU) and at least 1024 columns.
-    A chunk of every row stops at ``MAX_CHUNK_COLS`` columns, so small problems leave budget unused.
-    """
-    per_row = d_model * (4 + elem_bytes)
-
-    def cols_for(rows: int) -> int:
-        left = scratch_bytes - rows * per_row
-        return (left // (rows * elem_bytes)) // 256 * 256 if left > 0 else 0
-
-    rows = n_rows
-    if cols_for(rows) < min(1024, n_vocab):
-        rows = max(128, n_rows // 128 * 128)
-        while rows > 128 and (
-            cols_for(rows) < 1024 or (rows // 128) * (cols_for(rows) // 256) < min_tiles
-        ):
-            rows -= 128
-    cols = max(256, cols_for(rows))
-    if rows >= n_rows:
-        # Every row fits: past MAX_CHUNK_COLS columns the GEMMs gain nothing, so do not take
-        # memory for them. (Under a tight budget wide chunks are what keeps the GPU full.)
-        cols = min(cols, MAX_CHUNK_COLS)
-    return max(min(rows, n_rows), 1), min(cols, max(n_vocab, 1))
-
-
 def lce_backward_gemm(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -368,14 +338,16 @@ def lce_backward_gemm(
     d_weight_accumulator: torch.Tensor | None = None,
     round_16bit: bool = False,
     kept: KeptLogits | None = None,
+    tma: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
     With ``kept`` (the forward's logits, ``recompute_logits=False``) G is formed in their
     storage, all of it at once, and no logit is recomputed: see ``_backward_from_kept``.
 
-    Arguments as for ``backward.lce_backward``; ``d_hidden_dtype`` (default: hidden's) lets a
-    vocabulary shard hand its partial d_hidden to the all-reduce in fp32. With
+    Arguments as for ``backward.lce_backward``; ``tma`` as for ``lse_forward``;
+    ``d_hidden_dtype`` (default: hidden's) lets a vocabulary shard hand its partial d_hidden to
+    the all-reduce in fp32. With
     ``d_weight_accumulator`` (an fp32 (V, D) buffer, e.g. Megatron's ``main_grad``) the weight
     gradient is added into it by the GEMMs themselves and d_weight is returned as None.
 
@@ -434,7 +406,7 @@ def lce_backward_gemm(
         ):
             _backward_in_weight_buffer(
                 hidden, weight, bias, target_local, lse, coefs, softcap, layout,
-                d_hidden, d_weight, d_bias, round_16bit,
+                d_hidden, d_weight, d_bias, round_16bit, tma,
             )
             return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
     # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
@@ -465,7 +437,7 @@ def lce_backward_gemm(
             g = grad_logits(
                 hidden_chunk, weight, bias, row_order, n_valid, target_local, lse, coefs,
                 g_buffer[:rows, :cols], row_start=row_start, vocab_start=vocab_start,
-                softcap=softcap, round_16bit=round_16bit,
+                softcap=softcap, round_16bit=round_16bit, tma=tma,
             )
             if round_in_torch:
                 g = g.to(hidden.dtype)
@@ -493,63 +465,9 @@ def lce_backward_gemm(
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
 
-# Columns per G chunk while G lives in the weight gradient's storage: wide enough for the fp32
-# dE accumulation to stay compute-bound, narrow enough that few columns need a second pass.
-BORROWED_CHUNK_COLS = 4096
-# The last pass halves its G chunk until this width, then takes the small buffer of the budget.
-MIN_BORROWED_COLS = 256
-# The borrowed layout costs a second logit pass over the share ``free_from / V`` of the
-# vocabulary. Token chunks cost nothing extra while they are tall (N = 8192 tokens in one chunk
-# run at 1.12x the four-GEMM bound on an H100), so past MAX_SECOND_PASS they win; short ones
-# lose more (the lean budget's 256-row chunks took 2.4x the default at N = 65536).
-MAX_SECOND_PASS = 0.5
-MIN_TOKEN_CHUNK_ROWS = 8192
-
-
-@dataclass(frozen=True)
-class WeightBufferLayout:
-    """Where the backward keeps its buffers inside the (V, D) weight gradient, in weight rows.
-
-    Rows [0, g_rows) hold the G chunk (N x chunk_cols, weight dtype); rows [g_rows, free_from)
-    hold the fp32 dE accumulator (N x D). Columns at or past ``free_from`` get their weight
-    gradient on the first pass; the others are recomputed once dE is done (the docstring of
-    ``_backward_in_weight_buffer``), the last of them through a small G buffer of ``small_cols``
-    columns taken from the budget.
-    """
-
-    chunk_cols: int
-    g_rows: int
-    free_from: int
-    small_cols: int
-
-
-def _rows_holding(n_bytes: int, row_bytes: int) -> int:
-    """Weight rows that hold ``n_bytes``; a multiple of 8, so what follows is 16-byte aligned."""
-    rows = -(-n_bytes // row_bytes)
-    return -(-rows // 8) * 8
-
-
-def plan_weight_buffer(
-    n_rows: int, n_vocab: int, d_model: int, elem_bytes: int, scratch_bytes: int
-) -> WeightBufferLayout | None:
-    """The layout, or None where the buffers do not fit: the G chunk and the fp32 accumulator
-    need more rows than the weight gradient has (at 16 bits, 2N + N * chunk_cols / D rows), or
-    the budget cannot hold a G chunk of 16 columns."""
-    if d_model == 0:
-        return None  # a weight gradient without storage lends none
-    row_bytes = d_model * elem_bytes
-    cols = min(BORROWED_CHUNK_COLS, max(MIN_BORROWED_COLS, n_vocab // 8 // 256 * 256))
-    g_rows = _rows_holding(n_rows * cols * elem_bytes, row_bytes)
-    free_from = g_rows + -(-n_rows * d_model * 4 // row_bytes)
-    small_cols = (scratch_bytes - n_rows * 8) // (n_rows * elem_bytes) // 16 * 16
-    if free_from > n_vocab or small_cols < 16:
-        return None
-    return WeightBufferLayout(cols, g_rows, free_from, small_cols)
-
-
 def _backward_in_weight_buffer(
     hidden, weight, bias, target_local, lse, coefs, softcap, layout: WeightBufferLayout,
-    d_hidden, d_weight, d_bias, round_16bit,
+    d_hidden, d_weight, d_bias, round_16bit, tma,
 ):
     """The GEMM backward with its G chunk and fp32 dE accumulator inside ``d_weight``.
 
@@ -590,6 +508,7 @@ def _backward_in_weight_buffer(
         grad_logits(
             hidden, weight, bias, every_row, n_all, target_local, lse_all, coefs, target,
             row_start=0, vocab_start=start, softcap=softcap, round_16bit=round_16bit,
+            tma=tma,
         )
         if target is not out:
             out.copy_(target)

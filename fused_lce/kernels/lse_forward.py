@@ -278,6 +278,7 @@ def lse_forward(
     want_col_sum: bool = False,
     round_16bit: bool = False,
     keep_logits: bool = False,
+    tma: bool | None = None,
 ) -> LSEStats:
     """Max and sum-exp per row of ``softcap(hidden @ weight.T + bias)`` over this weight's rows.
 
@@ -294,6 +295,7 @@ def lse_forward(
             (``LCEOptions.round_logits``).
         keep_logits: also return the logits as :class:`KeptLogits`
             (``LCEOptions.recompute_logits=False``).
+        tma: False keeps the pointer kernels; None reads FUSED_LCE_TMA (``common.use_tma``).
     """
     # Check constraints.
     check_operands(hidden, weight, bias)
@@ -304,7 +306,7 @@ def lse_forward(
         check_vector("target", target, n_rows, (torch.int32, torch.int64))
     n_vocab = weight.shape[0]
     device = hidden.device
-    tma = use_tma(hidden, weight)
+    tma = use_tma(hidden, weight, enabled=tma)
     cfg = forward_config(device, hidden.dtype, tma)
     dot_fp32, precision = dot_settings(hidden.dtype)
 

@@ -1,0 +1,275 @@
+"""One autograd Function for the loss on one weight shard, alone (TP=1) or with its peers (TP=N).
+
+A call holds a shard ``[vocab_start, vocab_start + local_classes)`` of the classifier; on one
+device the shard is the whole weight. The forward asks a shard strategy (Triton kernels, chunked
+PyTorch, or the empty shard of a rank that holds only vocabulary padding) for the shard's per-row
+statistics, combines them across ranks through a ``ShardReducer`` and forms the loss with
+``terms``; the backward forms the logit gradient's coefficients once and asks the strategy for
+the shard's gradients. What differs between TP=1 and TP=N is only the reducer: ``LOCAL`` here is
+the identity, parallel/comm.py's ``GroupReducer`` talks to the other ranks. Nothing in this
+package imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from .options import LCEOptions
+from .terms import (
+    GradCoefficients,
+    grad_coefficients,
+    loss_gradient_per_token,
+    reduce_tokens,
+    refuse_double_backward,
+    target_nll,
+    token_loss,
+)
+
+
+class ShardReducer(Protocol):
+    """What the loss needs from the other ranks holding the rest of the vocabulary."""
+
+    world_size: int
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_input(self, input: torch.Tensor) -> torch.Tensor:
+        """Every token's hidden state (N, D) from this rank's ``input`` (with SP, a shard)."""
+        ...
+
+    def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of the partial input gradients, this rank's rows of it."""
+        ...
+
+
+class LocalReducer:
+    """One device: every reduction is the identity."""
+
+    world_size = 1
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_input(self, input: torch.Tensor) -> torch.Tensor:
+        return flat_rows(input)
+
+    def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
+        return d_hidden
+
+
+LOCAL = LocalReducer()
+
+
+def flat_rows(input: torch.Tensor) -> torch.Tensor:
+    """(..., D) as (N, D); not reshape(-1, D): with D = 0 the -1 is ambiguous."""
+    n_rows = 1
+    for size in input.shape[:-1]:
+        n_rows *= size
+    return input.reshape(n_rows, input.shape[-1])
+
+
+@dataclass(frozen=True)
+class ShardCall:
+    """What is fixed for one call: the options, the shard's place and how to reach the others."""
+
+    opts: LCEOptions
+    impl: str  # "cce" or "chunked"
+    vocab_start: int
+    local_classes: int  # real classes in this shard (rows past it are vocabulary padding)
+    num_classes: int  # classes over every shard
+    reducer: Any = LOCAL  # a ShardReducer
+    weight_grad_accumulator: torch.Tensor | None = None
+    caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
+
+
+@dataclass
+class ShardInputs:
+    """One shard's view of the call, as every shard strategy takes it."""
+
+    hidden: torch.Tensor  # (N, D), every token
+    weight: torch.Tensor  # (V_local, D), real classes only
+    bias: torch.Tensor | None  # (V_local,)
+    target: torch.Tensor  # (N,) global class ids
+    opts: LCEOptions
+    vocab_start: int
+    num_classes: int
+
+
+@dataclass
+class ShardGradRequest:
+    """What the backward asks of a shard: gradients against the global lse."""
+
+    lse: torch.Tensor  # (N,) fp32, global
+    coefs: GradCoefficients
+    needs: tuple[bool, bool, bool]  # (hidden, weight, bias)
+    d_hidden_dtype: torch.dtype  # fp32 when partials are summed across ranks
+    d_weight_accumulator: torch.Tensor | None  # fp32, the shard's rows; gradient added into it
+
+
+class ShardStatistics(NamedTuple):
+    """Per-row statistics of one shard, (N,) fp32; ignored rows hold max=-inf, sum_exp=0."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor  # sum of exp(logit - row_max)
+    row_sum: torch.Tensor | None  # sum of logits (label smoothing)
+    target_logit: torch.Tensor  # 0 where another shard owns the target
+
+
+class EmptyShard:
+    """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
+    in every collective like the others."""
+
+    @staticmethod
+    def statistics(inputs: ShardInputs):
+        n = inputs.hidden.shape[0]
+        zeros = torch.zeros((n,), dtype=torch.float32, device=inputs.hidden.device)
+        row_sum = zeros if inputs.opts.label_smoothing > 0 else None
+        return None, ShardStatistics(torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
+
+    @staticmethod
+    def backward(state, inputs: ShardInputs, request: ShardGradRequest):
+        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+        d_hidden = torch.zeros(hidden.shape, dtype=request.d_hidden_dtype, device=hidden.device)
+        d_weight = (None if request.d_weight_accumulator is not None
+                    else weight.new_zeros(weight.shape))
+        d_bias = None if bias is None else bias.new_zeros(bias.shape)
+        return d_hidden, d_weight, d_bias
+
+
+def shard_strategy(impl: str, local_classes: int):
+    if local_classes == 0:
+        return EmptyShard
+    if impl == "cce":
+        from .function import TritonShard
+
+        return TritonShard
+    if impl == "chunked":
+        from .chunked import ChunkedShard
+
+        return ChunkedShard
+    raise ValueError(f"vocab-parallel impl must be 'cce', 'chunked' or 'auto', got {impl!r}")
+
+
+def global_statistics(stats: ShardStatistics, reducer) -> ShardStatistics:
+    """The statistics over every shard: one MAX for the shift, one SUM for what adds up."""
+    if reducer.world_size == 1:
+        return stats
+    global_max = reducer.all_reduce_max_(stats.row_max.clone())
+    finite_max = torch.where(torch.isfinite(global_max), global_max, 0.0)
+    packed = [stats.sum_exp * torch.exp(stats.row_max - finite_max), stats.target_logit]
+    if stats.row_sum is not None:
+        packed.append(stats.row_sum)
+    packed = reducer.all_reduce_sum_(torch.stack(packed).float())
+    row_sum = packed[2] if stats.row_sum is not None else None
+    return ShardStatistics(finite_max, packed[0], row_sum, packed[1])
+
+
+def _shard_inputs(hidden, weight, bias, target, call: ShardCall) -> ShardInputs:
+    local = call.local_classes
+    return ShardInputs(
+        hidden=hidden,
+        weight=weight[:local],
+        bias=None if bias is None else bias[:local],
+        target=target,
+        opts=call.opts,
+        vocab_start=call.vocab_start,
+        num_classes=call.num_classes,
+    )
+
+
+class LCEFunction(torch.autograd.Function):
+    """(loss, lse) of ``input`` (..., D) against this rank's weight shard (V_rows, D).
+
+    Inputs are validated by the caller; ``target`` holds int32 or int64 global class ids.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, target, call: ShardCall):
+        opts = call.opts
+        hidden = call.reducer.gather_input(input)
+        flat_target = target.reshape(-1)
+        inputs = _shard_inputs(hidden, weight, bias, flat_target, call)
+        strategy = shard_strategy(call.impl, call.local_classes)
+        state, stats = strategy.statistics(inputs)
+        stats = global_statistics(stats, call.reducer)
+        valid = flat_target != opts.ignore_index
+
+        lse = stats.row_max + torch.log(stats.sum_exp)
+        nll = target_nll(stats.row_max, stats.sum_exp, stats.target_logit)
+        loss = token_loss(nll, lse, stats.row_sum, call.num_classes, opts)
+        zero = torch.zeros_like(loss)
+        loss = torch.where(valid, loss, zero)
+        lse = torch.where(valid, lse, zero)
+        nll = torch.where(valid, nll, zero)
+        n_valid = valid.sum()
+        loss = reduce_tokens(loss, n_valid, opts.reduction)
+
+        ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
+        ctx.state, ctx.strategy, ctx.call = state, strategy, call
+        ctx.weight_param = weight if call.weight_grad_accumulator is not None else None
+        ctx.set_materialize_grads(False)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        call: ShardCall = ctx.call
+        refuse_double_backward(call.caller)
+        input, weight, bias, target, lse, nll, n_valid = ctx.saved_tensors
+        opts = call.opts
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        if grad_loss is None and grad_lse is None:
+            return None, None, None, None, None
+        hidden = call.reducer.gather_input(input)
+        n_rows = hidden.shape[0]
+        valid = target != opts.ignore_index
+        zero = torch.zeros_like(lse)
+        g = zero
+        if grad_loss is not None:
+            g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction)
+        g = torch.where(valid, g, zero)
+        if grad_lse is not None:
+            grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
+        coefs = grad_coefficients(g, lse, nll, grad_lse, call.num_classes, opts)
+
+        inputs = _shard_inputs(hidden, weight, bias, target, call)
+        accumulator = call.weight_grad_accumulator
+        shard_acc = (None if accumulator is None or not needs[1]
+                     else accumulator[: call.local_classes])
+        # Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer.
+        partial_dtype = torch.float32 if call.reducer.world_size > 1 else input.dtype
+        request = ShardGradRequest(lse, coefs, needs, partial_dtype, shard_acc)
+        d_hidden, d_shard_w, d_shard_b = ctx.strategy.backward(ctx.state, inputs, request)
+        del hidden, inputs  # under SP a gathered copy: free it before the reduce-scatter
+
+        d_input = None
+        if needs[0]:
+            d_input = call.reducer.reduce_input_grad(d_hidden)
+            d_input = d_input.to(input.dtype).reshape(input.shape)
+        d_weight = None
+        if needs[1] and accumulator is None:
+            d_weight = pad_rows(d_shard_w, weight)
+        elif needs[1] and hasattr(ctx.weight_param, "grad_added_to_main_grad"):
+            # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
+            # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
+            ctx.weight_param.grad_added_to_main_grad = True
+            d_weight = torch.empty_like(weight)
+        d_bias = pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
+        return d_input, d_weight, d_bias, None, None
+
+
+def pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The shard's gradient with zero rows for vocabulary padding past the real classes."""
+    if grad is not None and grad.shape[0] == like.shape[0]:
+        return grad.to(like.dtype)
+    out = torch.zeros_like(like)
+    if grad is not None:
+        out[: grad.shape[0]] = grad
+    return out
