@@ -111,6 +111,16 @@ def takes_cpu_tensors(group) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
+def release_host_groups() -> None:
+    """Destroy the gloo groups made by :func:`host_group` (before ``destroy_process_group``).
+
+    A gloo group left to the interpreter's exit can be torn down while its threads still run,
+    which aborts the process ("terminate called without an active exception")."""
+    for cpu_group, _ in _host_groups.values():
+        dist.destroy_process_group(cpu_group)
+    _host_groups.clear()
+
+
 def make_host_group(group):
     """A new gloo group of ``group``'s ranks, and its rank of each of them. Only they take part
     in making it (``use_local_synchronization``), so every tensor-parallel group can make its own

@@ -77,6 +77,9 @@ def _worker(rank, world, port, backend, timeout_s, out_dir, suite, args) -> None
     except Exception:
         errors = [f"tp={world} rank={rank} {suite.__name__} raised:\n{traceback.format_exc()}"]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(errors))
+    from fused_lce.parallel import comm
+
+    comm.release_host_groups()
     dist.destroy_process_group()
 
 
