@@ -94,5 +94,5 @@ esac
 
 python3 scripts/megatron_lm_report.py "$results" | tee "$results/table.md"
 
-[[ -n ${SKIP_TESTS:-} ]] || step parser_tests 150 python3 -m pytest -q -p no:cacheprovider \
+[[ -n ${SKIP_TESTS:-} ]] || step parser_tests "${PARSER_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_megatron_lm.py tests/test_megatron_plugin.py
