@@ -63,6 +63,33 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
 
+STRIDED_ARGUMENTS = ("input", "weight", "weight-column-major", "target", "bias",
+                     "input-one-row-broadcast", "bias-broadcast")
+
+
+def with_strided_argument(which: str, hidden, weight, target, bias, n_classes: int):
+    """The problem with one argument (``which``, of STRIDED_ARGUMENTS) replaced by a strided or
+    broadcast view of the same values."""
+    if which == "input":
+        hidden = strided(hidden, 1e4)
+    elif which == "weight":
+        weight = strided(weight, -1e4)
+    elif which == "weight-column-major":
+        weight = transposed(weight)
+    elif which == "target":
+        # As `target = pairs[:, 0]`: the decoys are other, valid classes.
+        target = strided(target, (target + 1) % n_classes)
+    elif which == "bias":
+        bias = strided(bias, 1e4)
+    elif which == "input-one-row-broadcast":
+        hidden = hidden[3].expand(hidden.shape)  # stride 0 between rows
+    elif which == "bias-broadcast":
+        bias = bias[:1].expand(bias.shape)  # stride 0
+    else:
+        raise ValueError(f"unknown argument view {which!r}")
+    return hidden, weight, target, bias
+
+
 # The precision bound of confident tokens: 10x torch's fp32 error against float64, plus what no
 # fp32 computation can beat.
 PRECISION_FACTOR = 10.0

@@ -29,8 +29,7 @@ from helpers_reliability import (
     PRECISION_FACTOR,
     confident_problem,
     max_rel_err,
-    strided,
-    transposed,
+    with_strided_argument,
 )
 
 from fused_lce.options import LCEOptions
@@ -117,18 +116,7 @@ def _strided_suite(rank: int, world: int, kind: str = "cpu") -> list[str]:
             w = weight[lo:hi].to(device).clone()
             b = bias[lo:hi].to(device).clone()
             t = target.to(device)
-            if which == "input":
-                h = strided(h, 1e4)
-            elif which == "weight":
-                w = strided(w, -1e4)
-            elif which == "weight-column-major":
-                w = transposed(w)
-            elif which == "target":
-                t = strided(t, (t + 1) % V)
-            elif which == "bias":
-                b = strided(b, 1e4)
-            else:
-                b = b[:1].expand(b.shape)
+            h, w, t, b = with_strided_argument(which, h, w, t, b, V)
             try:
                 ours = _run_layer(h.requires_grad_(), w.requires_grad_(), t,
                                   b.requires_grad_(), impl)

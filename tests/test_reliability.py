@@ -22,8 +22,8 @@ from helpers_reliability import (
     cross_entropy_run,
     precision_failures,
     strided,
-    transposed,
     upstream,
+    with_strided_argument,
 )
 
 import fused_lce.chunked
@@ -57,33 +57,13 @@ def _per_token_options(options: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _strided_argument(which: str, hidden, weight, target, bias):
-    """The problem with one argument replaced by a strided view of the same values."""
-    if which == "input":
-        hidden = strided(hidden, 1e4)
-    elif which == "weight":
-        weight = strided(weight, -1e4)
-    elif which == "weight-column-major":
-        weight = transposed(weight)
-    elif which == "target":
-        # As `target = pairs[:, 0]`: the decoys are other, valid classes.
-        target = strided(target, (target + 1) % V)
-    elif which == "bias":
-        bias = strided(bias, 1e4)
-    elif which == "input-one-row-broadcast":
-        hidden = hidden[3].expand(hidden.shape)  # stride 0 between rows
-    elif which == "bias-broadcast":
-        bias = bias[:1].expand(bias.shape)  # stride 0
-    return hidden, weight, target, bias
-
-
 @pytest.mark.parametrize("options", PATH_OPTIONS, ids=PATH_IDS)
 @pytest.mark.parametrize("which", ["input", "weight", "weight-column-major", "target", "bias",
                                    "input-one-row-broadcast", "bias-broadcast"])
 def test_strided_argument(which, options):
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", 0.1, bias=True,
                                                 seed=7)
-    args = _strided_argument(which, hidden, weight, target, bias)
+    args = with_strided_argument(which, hidden, weight, target, bias, V)
     compare_to_reference(*args, **options, **_per_token_options(options), seed=7)
 
 

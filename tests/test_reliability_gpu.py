@@ -16,9 +16,8 @@ from helpers_reliability import (
     confident_problem,
     cross_entropy_run,
     precision_failures,
-    strided,
-    transposed,
     upstream,
+    with_strided_argument,
 )
 
 from fused_lce import linear_cross_entropy
@@ -70,19 +69,6 @@ def test_strided_argument(dtype, which, path):
     hidden, weight, target, bias = make_problem(N, V, 256, dtype, "peaked", 0.1, bias=True,
                                                 seed=32)
     hidden, weight, target, bias = (x.cuda() for x in (hidden, weight, target, bias))
-    if which == "input":
-        hidden = strided(hidden, 1e4)
-    elif which == "weight":
-        weight = strided(weight, -1e4)
-    elif which == "weight-column-major":
-        weight = transposed(weight)
-    elif which == "target":
-        target = strided(target, (target + 1) % V)
-    elif which == "bias":
-        bias = strided(bias, 1e4)
-    elif which == "input-one-row-broadcast":
-        hidden = hidden[3].expand(hidden.shape)
-    else:
-        bias = bias[:1].expand(bias.shape)
+    hidden, weight, target, bias = with_strided_argument(which, hidden, weight, target, bias, V)
     compare_to_reference(hidden, weight, target, bias, device="cuda", reduction="none",
                          return_lse=True, seed=32, **PATHS[path])
