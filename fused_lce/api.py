@@ -18,7 +18,13 @@ from torch import nn
 
 # validate, resolve_impl, class_ids and check_target_range live in checks.py, shared with the
 # vocab-parallel layer; they stay importable from here.
-from .checks import check_target_range, class_ids, resolve_impl, validate  # noqa: F401
+from .checks import (  # noqa: F401
+    check_loss_mask,
+    check_target_range,
+    class_ids,
+    resolve_impl,
+    validate,
+)
 from .options import LCEOptions
 
 
@@ -48,6 +54,7 @@ def linear_cross_entropy(
     scratch_mb: float | None = None,
     tma: bool | None = None,
     check_targets: bool = True,
+    loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``softcap(input @ weight.T + bias)`` against ``target``, without logits.
 
@@ -116,7 +123,7 @@ def linear_cross_entropy(
         scratch_mb=scratch_mb,
         tma=tma,
     )
-    loss, lse = _dispatch(input, weight, target, bias, opts, check_targets)
+    loss, lse = _dispatch(input, weight, target, bias, opts, check_targets, loss_mask)
     return (loss, lse) if return_lse else loss
 
 
@@ -139,16 +146,20 @@ class LinearCrossEntropy(nn.Module):
         weight: torch.Tensor,
         target: torch.Tensor,
         bias: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ):
-        loss, lse = _dispatch(input, weight, target, bias, self.options, self.check_targets)
+        loss, lse = _dispatch(input, weight, target, bias, self.options, self.check_targets,
+                              loss_mask)
         return (loss, lse) if self.return_lse else loss
 
     def extra_repr(self) -> str:
         return repr(self.options)
 
 
-def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool):
+def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
+              loss_mask: torch.Tensor | None = None):
     validate(input, weight, target, bias, opts, check_targets)
+    check_loss_mask(loss_mask, target, opts.reduction)
     batch_shape = target.shape
     # Not reshape(-1, D): with D = 0 the -1 is ambiguous.
     hidden = input.reshape(math.prod(batch_shape), input.shape[-1])
@@ -157,7 +168,8 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
     if impl == "cce" and hidden.shape[0] > 0:
         from .function import cce_linear_cross_entropy
 
-        loss, lse = cce_linear_cross_entropy(hidden, weight, flat_target, bias, opts)
+        loss, lse = cce_linear_cross_entropy(hidden, weight, flat_target, bias, opts,
+                                             loss_mask=loss_mask)
     elif impl == "chunked" and hidden.shape[0] > 0:
         from .chunked import chunked_linear_cross_entropy
 

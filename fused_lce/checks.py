@@ -83,6 +83,31 @@ def validate(
         check_target_range(target, opts.ignore_index, n_classes)
 
 
+def check_loss_mask(
+    loss_mask: torch.Tensor | None, target: torch.Tensor, reduction: str
+) -> None:
+    """``loss_mask``: None, or a float/bool tensor of ``target``'s shape and device for a
+    "none" reduction."""
+    if loss_mask is None:
+        return
+    if not isinstance(loss_mask, torch.Tensor):
+        raise TypeError(f"loss_mask must be a torch.Tensor or None, got {type(loss_mask).__name__}")
+    if reduction != "none":
+        raise ValueError(
+            f"loss_mask describes the per-token losses of reduction='none', got "
+            f"reduction={reduction!r}"
+        )
+    if tuple(loss_mask.shape) != tuple(target.shape):
+        raise ValueError(
+            f"loss_mask must have target's shape {tuple(target.shape)}, got "
+            f"{tuple(loss_mask.shape)}"
+        )
+    if not (loss_mask.dtype.is_floating_point or loss_mask.dtype == torch.bool):
+        raise TypeError(f"loss_mask must be a float or bool tensor, got {loss_mask.dtype}")
+    if loss_mask.device != target.device:
+        raise ValueError(f"loss_mask is on {loss_mask.device} but target is on {target.device}")
+
+
 def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) -> None:
     """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
     if target.numel() == 0:

@@ -17,6 +17,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from .forward_grad import (
+    ForwardGradPlan,
+    assumed_token_grad,
+    is_one,
+    plan_forward_gradients,
+    upstream_scale,
+    warn_recompute,
+)
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
@@ -87,6 +95,7 @@ class ShardCall:
     num_classes: int  # classes over every shard
     reducer: Any = LOCAL  # a ShardReducer
     weight_grad_accumulator: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
     caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
 
 
@@ -143,6 +152,37 @@ class EmptyShard:
         d_bias = None if bias is None else bias.new_zeros(bias.shape)
         return d_hidden, d_weight, d_bias
 
+    @staticmethod
+    def recompute_state(inputs: ShardInputs):
+        return None
+
+    @staticmethod
+    def gradient_chunks(inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        return EmptyGradientChunks(inputs, needs, d_hidden_dtype)
+
+
+class EmptyGradientChunks:
+    """The empty shard in the gradient-in-forward walk: no statistics, zero gradients."""
+
+    def __init__(self, inputs: ShardInputs, needs, d_hidden_dtype):
+        self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
+
+    def statistics(self, rows: slice) -> ShardStatistics:
+        n = len(range(*rows.indices(self.inputs.hidden.shape[0])))
+        sliced = ShardInputs(self.inputs.hidden[:n], self.inputs.weight, self.inputs.bias,
+                             self.inputs.target[:n], self.inputs.opts, self.inputs.vocab_start,
+                             self.inputs.num_classes)
+        return EmptyShard.statistics(sliced)[1]
+
+    def gradients(self, rows: slice, lse, coefs) -> None:
+        pass
+
+    def finish(self):
+        request = ShardGradRequest(None, None, self.needs, self.d_hidden_dtype, None)
+        d_hidden, d_weight, d_bias = EmptyShard.backward(None, self.inputs, request)
+        return (d_hidden if self.needs[0] else None, d_weight if self.needs[1] else None,
+                d_bias if self.needs[2] else None)
+
 
 def shard_strategy(impl: str, local_classes: int):
     if local_classes == 0:
@@ -198,9 +238,19 @@ class LCEFunction(torch.autograd.Function):
         flat_target = target.reshape(-1)
         inputs = _shard_inputs(hidden, weight, bias, flat_target, call)
         strategy = shard_strategy(call.impl, call.local_classes)
-        state, stats = strategy.statistics(inputs)
-        stats = global_statistics(stats, call.reducer)
         valid = flat_target != opts.ignore_index
+        n_valid = valid.sum()
+        needs = tuple(ctx.needs_input_grad[:3])
+        plan = _forward_grad_plan(call, hidden, weight, needs)
+        ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
+        if plan is None:
+            ctx.state, stats = strategy.statistics(inputs)
+            stats = global_statistics(stats, call.reducer)
+        else:
+            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
+            stats, ctx.forward_grads = _gradients_in_forward(
+                strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
+            )
 
         lse = stats.row_max + torch.log(stats.sum_exp)
         nll = target_nll(stats.row_max, stats.sum_exp, stats.target_logit)
@@ -209,11 +259,10 @@ class LCEFunction(torch.autograd.Function):
         loss = torch.where(valid, loss, zero)
         lse = torch.where(valid, lse, zero)
         nll = torch.where(valid, nll, zero)
-        n_valid = valid.sum()
         loss = reduce_tokens(loss, n_valid, opts.reduction)
 
         ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
-        ctx.state, ctx.strategy, ctx.call = state, strategy, call
+        ctx.strategy, ctx.call = strategy, call
         ctx.weight_param = weight if call.weight_grad_accumulator is not None else None
         ctx.set_materialize_grads(False)
         return loss, lse
@@ -227,9 +276,22 @@ class LCEFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
             return None, None, None, None, None
+        valid = target != opts.ignore_index
+        if ctx.forward_grads is not None:
+            grads, ctx.forward_grads = ctx.forward_grads, None
+            scale = upstream_scale(grad_loss, grad_lse, ctx.assumed, valid, opts.reduction)
+            if call.reducer.world_size > 1:
+                # Every rank must take the same path: the two differ in their collectives.
+                failed = torch.full((1,), float(scale is None), device=lse.device)
+                if bool(call.reducer.all_reduce_max_(failed)):
+                    scale = None
+            if scale is not None:
+                return (*_scaled_gradients(ctx, grads, scale, input, weight, bias, needs),
+                        None, None)
+            warn_recompute(call.caller)
+            del grads
         hidden = call.reducer.gather_input(input)
         n_rows = hidden.shape[0]
-        valid = target != opts.ignore_index
         zero = torch.zeros_like(lse)
         g = zero
         if grad_loss is not None:
@@ -240,13 +302,12 @@ class LCEFunction(torch.autograd.Function):
         coefs = grad_coefficients(g, lse, nll, grad_lse, call.num_classes, opts)
 
         inputs = _shard_inputs(hidden, weight, bias, target, call)
+        state = ctx.state if ctx.state is not None else ctx.strategy.recompute_state(inputs)
         accumulator = call.weight_grad_accumulator
         shard_acc = (None if accumulator is None or not needs[1]
                      else accumulator[: call.local_classes])
-        # Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer.
-        partial_dtype = torch.float32 if call.reducer.world_size > 1 else input.dtype
-        request = ShardGradRequest(lse, coefs, needs, partial_dtype, shard_acc)
-        d_hidden, d_shard_w, d_shard_b = ctx.strategy.backward(ctx.state, inputs, request)
+        request = ShardGradRequest(lse, coefs, needs, _partial_dtype(call, input), shard_acc)
+        d_hidden, d_shard_w, d_shard_b = ctx.strategy.backward(state, inputs, request)
         del hidden, inputs  # under SP a gathered copy: free it before the reduce-scatter
 
         d_input = None
@@ -256,13 +317,84 @@ class LCEFunction(torch.autograd.Function):
         d_weight = None
         if needs[1] and accumulator is None:
             d_weight = pad_rows(d_shard_w, weight)
-        elif needs[1] and hasattr(ctx.weight_param, "grad_added_to_main_grad"):
-            # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
-            # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
-            ctx.weight_param.grad_added_to_main_grad = True
-            d_weight = torch.empty_like(weight)
+        elif needs[1]:
+            d_weight = _main_grad_protocol(ctx.weight_param, weight)
         d_bias = pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
         return d_input, d_weight, d_bias, None, None
+
+
+def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
+    """Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer."""
+    return torch.float32 if call.reducer.world_size > 1 else input.dtype
+
+
+def _forward_grad_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan | None:
+    """The gradient-in-forward plan where the cce impl runs and a gradient is wanted. Decided
+    from what every rank shares (the padded shard's rows), so every rank walks the same chunks."""
+    if call.impl != "cce" or not any(needs):
+        return None
+    return plan_forward_gradients(
+        call.opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.element_size(),
+        needs[1],
+    )
+
+
+def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
+                          d_hidden_dtype, assumed):
+    """(global statistics, (d_hidden, d_weight, d_bias) for an upstream gradient of 1), token
+    chunk by token chunk: fused_lce/forward_grad.py."""
+    n_rows = inputs.hidden.shape[0]
+    chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
+    parts = []
+    for start in range(0, n_rows, plan.chunk_rows):
+        rows = slice(start, min(n_rows, start + plan.chunk_rows))
+        stats = global_statistics(chunks.statistics(rows), call.reducer)
+        lse = stats.row_max + torch.log(stats.sum_exp)
+        nll = target_nll(stats.row_max, stats.sum_exp, stats.target_logit)
+        coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, call.opts)
+        chunks.gradients(rows, lse, coefs)
+        parts.append(stats)
+    stats = ShardStatistics(*(
+        None if field[0] is None else torch.cat(field) for field in zip(*parts)
+    ))
+    return stats, chunks.finish()
+
+
+def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):
+    """The forward's gradients times the upstream ``scale``, as the recompute path returns them."""
+    call: ShardCall = ctx.call
+    d_hidden, d_shard_w, d_shard_b = grads
+    one = is_one(scale)
+    d_input = None
+    if needs[0]:
+        if not one:
+            d_hidden = d_hidden.mul_(scale)
+        d_input = call.reducer.reduce_input_grad(d_hidden).to(input.dtype).reshape(input.shape)
+    d_weight = None
+    accumulator = call.weight_grad_accumulator
+    if needs[1] and accumulator is None:
+        d_weight = pad_rows(d_shard_w if one else d_shard_w.mul_(scale), weight)
+    elif needs[1]:
+        shard_acc = accumulator[: call.local_classes]
+        if one:
+            shard_acc.add_(d_shard_w)
+        else:
+            shard_acc.addcmul_(d_shard_w, scale)
+        d_weight = _main_grad_protocol(ctx.weight_param, weight)
+    d_bias = None
+    if needs[2] and bias is not None:
+        d_bias = pad_rows(d_shard_b if one else d_shard_b.mul_(scale), bias)
+    return d_input, d_weight, d_bias
+
+
+def _main_grad_protocol(weight_param, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's gradient once it went into the accumulator."""
+    if hasattr(weight_param, "grad_added_to_main_grad"):
+        # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
+        # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
+        weight_param.grad_added_to_main_grad = True
+        return torch.empty_like(weight)
+    return None
 
 
 def pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from .engine import LCEFunction, ShardCall, ShardGradRequest, ShardInputs, ShardStatistics
+from .forward_grad import ForwardGradPlan
 from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
+from .kernels.common import INTERPRET
 from .kernels.grad_logits import lce_backward_gemm
+from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .options import LCEOptions, without_backward_options
 from .terms import GradCoefficients
@@ -107,7 +110,9 @@ def filter_settings(
 
 
 def backward_path(opts: LCEOptions) -> str:
-    return "gemm" if opts.backward == "auto" else opts.backward
+    """The recomputing backward: "auto" and "forward" (where its gradients do not apply) take
+    the gemm one."""
+    return "gemm" if opts.backward in ("auto", "forward") else opts.backward
 
 
 def keeps_logits(opts: LCEOptions) -> bool:
@@ -232,6 +237,111 @@ class TritonShard:
         )
 
 
+    @staticmethod
+    def recompute_state(inputs: ShardInputs) -> TritonShardState:
+        """What ``backward`` needs where the forward computed gradients (and they do not apply)."""
+        return TritonShardState(prepare_rows(inputs.target, inputs.opts.ignore_index), None, None)
+
+    @staticmethod
+    def gradient_chunks(inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        return TritonGradientChunks(inputs, plan, needs, d_hidden_dtype)
+
+
+class TritonGradientChunks:
+    """The gradient-in-forward mode on one shard (fused_lce/forward_grad.py): cuBLAS writes a
+    token chunk's logits into one buffer, the logit_rows kernels take their statistics and turn
+    them into G in place, and cuBLAS consumes G for both gradients."""
+
+    def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+        self.inputs, self.plan = inputs, plan
+        self.bias = _unit_stride(bias)
+        valid = inputs.target != inputs.opts.ignore_index
+        self.target_local = local_targets(inputs.target, valid, inputs.vocab_start,
+                                          weight.shape[0])
+        device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
+        # Under Triton's interpreter (which truncates rather than rounds to 16 bits) the buffer
+        # is fp32 holding torch-rounded 16-bit logits, and torch rounds G: the GPU's numerics.
+        self.emulate_16bit = INTERPRET and hidden.element_size() < 4
+        buffer_dtype = torch.float32 if self.emulate_16bit else hidden.dtype
+        self.buffer = torch.empty((plan.chunk_rows, weight.shape[0]), device=device,
+                                  dtype=buffer_dtype)
+        want_hidden, want_weight, want_bias = needs
+        self.d_hidden = (torch.empty((n_rows, d_model), device=device, dtype=d_hidden_dtype)
+                         if want_hidden else None)
+        self.d_weight = None
+        if want_weight:
+            acc_dtype = torch.float32 if plan.fp32_weight_accumulator else weight.dtype
+            self.d_weight = torch.empty(weight.shape, device=device, dtype=acc_dtype)
+        self.d_bias = (torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
+                       if want_bias and bias is not None else None)
+        self.first_chunk = True
+
+    def statistics(self, rows: slice) -> ShardStatistics:
+        """The chunk's statistics; its logits stay in the buffer for ``gradients``."""
+        hidden, weight = self.inputs.hidden[rows], self.inputs.weight
+        logits = self.buffer[: hidden.shape[0]]
+        if self.emulate_16bit:
+            logits.copy_(hidden @ weight.t())
+        else:
+            torch.mm(hidden, weight.t(), out=logits)
+        opts = self.inputs.opts
+        row_max, sum_exp, target_logit, row_sum = row_statistics(
+            logits, self.bias, self.target_local[rows], opts.softcap, opts.label_smoothing > 0
+        )
+        return ShardStatistics(row_max, sum_exp, row_sum, target_logit)
+
+    def gradients(self, rows: slice, lse: torch.Tensor, coefs: GradCoefficients) -> None:
+        """G over the chunk's logits, then its share of every gradient."""
+        hidden, weight = self.inputs.hidden[rows], self.inputs.weight
+        logits = self.buffer[: hidden.shape[0]]
+        grad = grad_in_place(logits, self.bias, self.target_local[rows], lse, coefs,
+                             self.inputs.opts.softcap)
+        if self.emulate_16bit:
+            grad = grad.to(hidden.dtype)
+        if self.d_hidden is not None:
+            _mm_into(self.d_hidden[rows], grad, weight)
+        if self.d_weight is not None:
+            if self.first_chunk:
+                _mm_into(self.d_weight, grad.t(), hidden)
+            else:
+                _accumulate_mm(self.d_weight, grad.t(), hidden)
+        if self.d_bias is not None:
+            self.d_bias += grad.sum(dim=0, dtype=torch.float32)
+        self.first_chunk = False
+
+    def finish(self):
+        """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
+        self.buffer = None
+        d_weight = self.d_weight
+        if d_weight is not None and d_weight.dtype != self.inputs.weight.dtype:
+            d_weight = d_weight.to(self.inputs.weight.dtype)
+        d_bias = self.d_bias
+        if d_bias is not None:
+            d_bias = d_bias.to(self.inputs.bias.dtype)
+        return self.d_hidden, d_weight, d_bias
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, the product accumulated in fp32 and rounded once to out's dtype."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, beta=0, out_dtype=out.dtype, out=out)
+    else:
+        out.copy_(a.float() @ b.float())
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b; with a 16-bit acc the sum is rounded once per call (MAX_CHUNKS_WITHOUT_...)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a.float() @ b.float())
+
+
 @dataclass
 class TritonShardState:
     """What the forward leaves for the backward besides the saved tensors."""
@@ -247,6 +357,7 @@ def cce_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None,
     opts: LCEOptions,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, lse) through the Triton kernels. hidden (N, D), weight (V, D), target (N,)."""
     if opts.num_classes is not None:
@@ -254,5 +365,6 @@ def cce_linear_cross_entropy(
         bias = None if bias is None else bias[: opts.num_classes]
     opts = without_backward_options(opts, hidden, weight, bias)
     n_classes = weight.shape[0]
-    call = ShardCall(opts, "cce", vocab_start=0, local_classes=n_classes, num_classes=n_classes)
+    call = ShardCall(opts, "cce", vocab_start=0, local_classes=n_classes, num_classes=n_classes,
+                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1))
     return LCEFunction.apply(hidden, weight, bias, target, call)

@@ -26,13 +26,13 @@ import torch
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "cce", "chunked", "torch"]
 ChunkBy = Literal["vocab", "tokens"]
-Backward = Literal["auto", "gemm", "tiles"]
+Backward = Literal["auto", "forward", "gemm", "tiles"]
 FilterSpec = float | Literal["safe", "paper"] | None
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
-BACKWARDS = ("auto", "gemm", "tiles")
+BACKWARDS = ("auto", "forward", "gemm", "tiles")
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
 # the options table).
@@ -104,9 +104,14 @@ class LCEOptions:
     """Number of real classes; weight rows at or past it (vocabulary padding) are excluded.
     None means every weight row is a class."""
     backward: Backward = "auto"
-    """The cce backward: "gemm" writes logit-gradient chunks that cuBLAS GEMMs consume (no
-    atomics, deterministic, every tile computed); "tiles" is the fused tile kernel of the paper
-    (atomics, gradient filtering, vocab sorting); "auto" picks gemm (docs/algorithm.md)."""
+    """The cce backward. "forward" computes the gradients in the forward, a token chunk at a
+    time, from 16-bit logits that cuBLAS writes and G overwrites: three GEMMs, the backward
+    only scales (fused_lce/forward_grad.py; it recomputes exactly where the upstream gradient
+    is not the one it assumed). "gemm" recomputes logit-gradient chunks in the backward that
+    cuBLAS GEMMs consume (four GEMMs, buffers within ``scratch_mb``, no atomics); "tiles" is
+    the fused tile kernel of the paper (atomics, gradient filtering, vocab sorting). "auto"
+    picks forward, or gemm where an explicit ``scratch_mb`` cannot hold 1024 tokens' logits
+    (the lean mode) or ``recompute_logits=False`` (docs/algorithm.md)."""
     filter_eps: FilterSpec = "safe"
     """Gradient filtering in the tiles backward (docs/algorithm.md):
     "safe" skips a tile only if each of its rows holds less than eps * BLOCK_V / V of softmax
@@ -117,10 +122,11 @@ class LCEOptions:
     """Walk the vocabulary in order of mean logit in the tiles backward, so negligible tiles
     cluster (only used when filtering is on; off under ``deterministic``)."""
     round_logits: bool = False
-    """cce only: round each logit ``input @ weight.T`` to the 16-bit input dtype before bias,
-    soft-capping and the fp32 softmax, as a layer that stores its logits in bf16 (megatron's
-    output layer, torch's eager path) does. Off by default: the kernels keep exact fp32 logits.
-    The chunked and torch impls always round 16-bit logits; fp32 inputs are never rounded."""
+    """cce, recomputing backwards: round each logit ``input @ weight.T`` to the 16-bit input
+    dtype before bias, soft-capping and the fp32 softmax, as a layer that stores its logits in
+    bf16 (megatron's output layer, torch's eager path) does. Off: those kernels keep exact fp32
+    logits. The gradient-in-forward backward (the default) stores its logits in 16 bits, so it
+    always rounds, as do the chunked and torch impls; fp32 inputs are never rounded."""
     recompute_logits: bool = True
     """cce, gemm backward: False keeps every logit from the forward, as exp(logit - running max)
     in 16 bits (2 bytes a logit, N x V, plus an fp32 max per row and 256 columns), so the backward
@@ -140,11 +146,13 @@ class LCEOptions:
     vocab_chunk_size: int | None = None
     """Vocabulary columns per chunk of the chunked impl (env FUSED_LCE_VOCAB_CHUNK, 4096)."""
     token_chunk_size: int | None = None
-    """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024)."""
+    """Tokens per chunk of the chunked impl (env FUSED_LCE_TOKEN_CHUNK, 1024) and, when given
+    here, of the cce gradient-in-forward backward (else it plans its own)."""
     scratch_mb: float | None = None
-    """Upper bound on the cce backward's buffers (fp32 accumulators, gradient chunks) in MiB
-    (env FUSED_LCE_SCRATCH_MB, 512). ``LEAN_SCRATCH_MB`` (12) is the lean mode, under 16 MiB in
-    all; see docs/algorithm.md."""
+    """Upper bound on the cce backward's buffers (fp32 accumulators, gradient or logit chunks)
+    in MiB (env FUSED_LCE_SCRATCH_MB; unset: 512 for the gemm backward, and the
+    gradient-in-forward backward plans its own chunk). ``LEAN_SCRATCH_MB`` (12) is the lean
+    mode, under 16 MiB in all; see docs/algorithm.md."""
     tma: bool | None = None
     """cce: read 16-bit tiles through tensor descriptors (TMA) where the GPU (sm_90+) and the
     layout (16-byte aligned rows) allow; False keeps the pointer kernels (env FUSED_LCE_TMA,
@@ -201,10 +209,10 @@ class LCEOptions:
         for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not self.recompute_logits and self.backward == "tiles":
+        if not self.recompute_logits and self.backward in ("tiles", "forward"):
             raise ValueError(
-                "recompute_logits=False needs backward='gemm' or 'auto' (the tiles backward "
-                "always recomputes), got backward='tiles'"
+                "recompute_logits=False needs backward='gemm' or 'auto' (it keeps the logits "
+                f"for the gemm backward), got backward={self.backward!r}"
             )
         if self.scratch_mb is not None:
             _check_float("scratch_mb", self.scratch_mb)
@@ -215,7 +223,10 @@ class LCEOptions:
         self._resolve_environment()
 
     def _resolve_environment(self) -> None:
+        scratch_env = os.environ.get(ENV_SCRATCH_MB, "") != ""
         resolved = {
+            "_token_chunk_explicit": self.token_chunk_size is not None,
+            "_scratch_explicit": self.scratch_mb is not None or scratch_env,
             "_vocab_chunk": self.vocab_chunk_size
             or _env_int(ENV_VOCAB_CHUNK, DEFAULT_VOCAB_CHUNK),
             "_token_chunk": self.token_chunk_size
@@ -240,6 +251,15 @@ class LCEOptions:
     @property
     def scratch_bytes(self) -> int:
         return self._scratch_bytes
+
+    @property
+    def scratch_explicit(self) -> bool:
+        """Whether the budget came from ``scratch_mb`` or the environment, not the default."""
+        return self._scratch_explicit
+
+    @property
+    def token_chunk_explicit(self) -> bool:
+        return self._token_chunk_explicit
 
     @property
     def tma_allowed(self) -> bool:
@@ -270,7 +290,8 @@ def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> 
 def replace_keeping_environment(opts: LCEOptions, **changes) -> LCEOptions:
     """``dataclasses.replace``, keeping what ``opts`` read from the environment when built."""
     new = replace(opts, **changes)
-    for name in ("_vocab_chunk", "_token_chunk", "_scratch_bytes", "_tma"):
+    for name in ("_vocab_chunk", "_token_chunk", "_scratch_bytes", "_tma", "_scratch_explicit",
+                 "_token_chunk_explicit"):
         object.__setattr__(new, name, getattr(opts, name))
     return new
 

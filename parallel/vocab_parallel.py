@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_lce.checks import class_ids, resolve_impl, validate
+from fused_lce.checks import check_loss_mask, class_ids, resolve_impl, validate
 from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, without_backward_options
 
@@ -72,6 +72,7 @@ def vocab_parallel_linear_cross_entropy(
     check_targets: bool = True,
     debug: bool = False,
     weight_grad_accumulator: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
 ):
     """Linear cross-entropy with the classifier split over the vocabulary across ``group``.
 
@@ -100,6 +101,9 @@ def vocab_parallel_linear_cross_entropy(
             into which the backward adds the weight gradient directly, instead of returning it
             in the weight's dtype; the weight then receives no ``.grad`` from this op (or, if it
             has Megatron's ``grad_added_to_main_grad`` attribute, an unset dummy and the flag).
+        loss_mask: ("none" only) what the caller multiplies the per-token losses by, shape of
+            ``target`` (Megatron's loss mask): the gradients are then computed in the forward
+            (fused_lce/forward_grad.py). It does not mask the returned losses.
         Other arguments: as for :func:`fused_lce.linear_cross_entropy` (``chunk_by`` is always
             "vocab" here).
 
@@ -124,6 +128,7 @@ def vocab_parallel_linear_cross_entropy(
     try:
         opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
                            vocab_start_index, vocab_size, weight_grad_accumulator)
+        check_loss_mask(loss_mask, target, opts.reduction)
         if check_targets:
             targets = agreement.target_range(target, ignore_index)
     except Exception as exc:  # raised after the exchange, on every rank
@@ -146,6 +151,7 @@ def vocab_parallel_linear_cross_entropy(
         local_classes=local_classes, num_classes=num_classes,
         reducer=comm.GroupReducer(group, sequence_parallel),
         weight_grad_accumulator=weight_grad_accumulator,
+        loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
         caller="vocab_parallel_linear_cross_entropy",
     )
     loss, lse = LCEFunction.apply(input, weight, bias, target, call)

@@ -1,0 +1,152 @@
+"""Gradients computed in the forward: three GEMMs instead of four, exact, with a checked fallback.
+
+An exact loss that stores no logits pays four N x V x D GEMMs: the forward's logits, their
+recompute in the backward, and the two gradient GEMMs. Where the gradient reaching the loss is
+known in the forward up to one scalar, the logits can become the logit gradient G at once:
+
+    for each token chunk (rows x V_local, 16-bit logits in one reused buffer):
+        z      = E_chunk @ C.T                    cuBLAS, into the buffer
+        stats  = max, sum-exp, target logit       kernels/logit_rows.py, over the buffer
+                 (combined across vocab shards)   the engine, through the ShardReducer
+        G      = dL/dz, written over z            kernels/logit_rows.py
+        dE    += G @ C,  dC += G.T @ E_chunk      cuBLAS
+
+The backward only scales the stored gradients by that scalar. When is the gradient known up to a
+scalar? For "mean" and "sum" the upstream gradient of a scalar loss is one number. For "none"
+the op assumes the per-token gradient is ``c * mask`` (``loss_mask``, default: every non-ignored
+token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward checks that
+assumption (one host sync) and, where it fails or the returned lse carries a gradient, recomputes
+the exact gradients the four-GEMM way (``upstream_scale`` returns None). Never a wrong result.
+
+Memory: one chunk of logits, the stored dE (N x D, fp32 across vocab shards), the weight gradient
+(its own size) and, past two token chunks, an fp32 weight-gradient accumulator (V_local x D x 4)
+so that it is rounded once rather than once per chunk. ``plan_forward_gradients`` sizes it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .options import LCEOptions
+
+# The default chunk holds at most half the tokens' logits (torch.compile holds all of them) and at
+# most this many bytes, so memory stops growing with N. At Gemma-2's V = 256000, 2 GiB is 4194
+# tokens of bf16 logits; at N = 8192 two chunks of 4096.
+DEFAULT_CHUNK_BYTES = 2 * 2**30
+# Below this many rows the chunk GEMMs stop filling an H100 (a 1024 x V x D GEMM runs at ~80% of
+# a 4096-row one): a tighter budget then takes the recompute backward instead.
+MIN_CHUNK_ROWS = 1024
+# With more token chunks than this, the weight gradient accumulates in fp32 (V x D x 4 bytes);
+# up to it, in its own dtype (one extra rounding, as for a second micro-batch).
+MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR = 2
+
+
+@dataclass(frozen=True)
+class ForwardGradPlan:
+    """How the forward walks the tokens: ``chunk_rows`` at a time, the weight gradient summed in
+    fp32 (``fp32_weight_accumulator``) or in the weight's dtype."""
+
+    chunk_rows: int
+    fp32_weight_accumulator: bool
+
+
+def plan_forward_gradients(
+    opts: LCEOptions,
+    n_rows: int,
+    weight_rows: int,
+    d_model: int,
+    elem_bytes: int,
+    wants_weight_grad: bool,
+) -> ForwardGradPlan | None:
+    """The plan, or None where the recompute backward must run instead.
+
+    ``weight_rows`` counts the shard's rows with vocabulary padding, equal on every rank, so
+    every rank walks the same chunks (each chunk is a collective). An explicit
+    ``token_chunk_size`` fixes the chunk; an explicit ``scratch_mb`` bounds the chunk and the
+    accumulator, and below ``MIN_CHUNK_ROWS`` rows of it the recompute backward (whose buffers
+    fit any budget) runs.
+    """
+    if opts.backward not in ("auto", "forward") or not opts.recompute_logits or n_rows == 0:
+        return None
+    row_bytes = max(weight_rows, 1) * elem_bytes
+    if opts.token_chunk_explicit:
+        rows = min(opts.token_chunk, n_rows)
+    else:
+        rows = min(n_rows, max(MIN_CHUNK_ROWS, -(-n_rows // 2)), DEFAULT_CHUNK_BYTES // row_bytes)
+        rows = max(rows, min(n_rows, MIN_CHUNK_ROWS))
+    accumulate = wants_weight_grad and -(-n_rows // rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
+    if opts.scratch_explicit and not opts.token_chunk_explicit:
+        budget = opts.scratch_bytes
+        if accumulate:
+            budget -= weight_rows * d_model * 4
+        rows = min(rows, budget // row_bytes) if budget > 0 else 0
+        if rows < min(n_rows, MIN_CHUNK_ROWS):
+            if opts.backward == "forward":
+                raise ValueError(
+                    f"backward='forward' needs at least {min(n_rows, MIN_CHUNK_ROWS)} tokens of "
+                    f"logits ({weight_rows} columns) within scratch_mb={opts.scratch_mb}: raise "
+                    "scratch_mb or use backward='auto'"
+                )
+            return None
+        accumulate = wants_weight_grad and -(-n_rows // rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
+    return ForwardGradPlan(chunk_rows=rows, fp32_weight_accumulator=accumulate)
+
+
+def assumed_token_grad(
+    valid: torch.Tensor, n_valid: torch.Tensor, reduction: str, loss_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The per-token upstream gradient the forward builds G with, (N,) fp32: the gradient of the
+    reduced loss for an upstream gradient of 1 ("mean", "sum"), else the mask."""
+    weights = valid.float()
+    if reduction == "mean":
+        # Not weights / n_valid: with every token ignored that is 0 / 0 on every row.
+        return torch.where(valid, 1.0 / n_valid.float(), 0.0)
+    if reduction == "none" and loss_mask is not None:
+        return weights * loss_mask.reshape(-1).float()
+    return weights
+
+
+def upstream_scale(
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    assumed: torch.Tensor,
+    valid: torch.Tensor,
+    reduction: str,
+) -> torch.Tensor | None:
+    """c with (the actual upstream gradient) = c * (what the forward assumed), or None.
+
+    None where the stored gradients do not apply: the lse carries a gradient, or a "none"
+    loss's per-token gradient is not proportional to ``assumed`` on its non-ignored tokens.
+    """
+    if grad_lse is not None or grad_loss is None:
+        return None
+    if reduction != "none":
+        return grad_loss.reshape(()).float()
+    actual = grad_loss.reshape(-1).float()
+    # c from the token the assumption weighs most; with a 0/1 mask it is that token's gradient.
+    k = assumed.abs().argmax()
+    c = torch.where(assumed[k] != 0, actual[k] / assumed[k], torch.zeros_like(actual[k]))
+    expected = c * assumed
+    close = (actual - expected).abs() <= expected.abs() * 2.0**-20
+    if not bool(torch.where(valid, close, True).all()):
+        return None
+    return c
+
+
+def warn_recompute(where: str) -> None:
+    warnings.warn(
+        f"{where}: the upstream gradient is not a multiple of the one the forward assumed (a "
+        "gradient through the returned lse, or per-token loss gradients not proportional to "
+        "loss_mask); the gradients are recomputed exactly, at the cost of the four-GEMM "
+        "backward. Pass the mask your loss applies as loss_mask to avoid this.",
+        stacklevel=3,
+    )
+
+
+def is_one(scale: torch.Tensor) -> bool:
+    """Whether ``scale`` is exactly 1 (one host sync): ``loss.backward()`` then multiplies the
+    stored gradients by nothing, which saves reading and writing the weight gradient."""
+    return bool(scale == 1)
