@@ -42,6 +42,8 @@ MIN_CHUNK_ROWS = 1024
 # With more token chunks than this, the weight gradient accumulates in fp32 (V x D x 4 bytes);
 # up to it, in its own dtype (one extra rounding, as for a second micro-batch).
 MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR = 2
+# Chunks are whole multiples of this many rows (the GEMMs' tile height, twice over).
+TILE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,15 @@ def plan_forward_gradients(
     if opts.token_chunk_explicit:
         rows = min(opts.token_chunk, n_rows)
     else:
-        rows = min(n_rows, max(MIN_CHUNK_ROWS, -(-n_rows // 2)), DEFAULT_CHUNK_BYTES // row_bytes)
-        rows = max(rows, min(n_rows, MIN_CHUNK_ROWS))
-    accumulate = wants_weight_grad and -(-n_rows // rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
+        half = -(-n_rows // 2 // TILE_ROWS) * TILE_ROWS
+        cap = DEFAULT_CHUNK_BYTES // row_bytes // TILE_ROWS * TILE_ROWS
+        rows = max(min(n_rows, max(MIN_CHUNK_ROWS, half), cap), min(n_rows, MIN_CHUNK_ROWS))
     if opts.scratch_explicit and not opts.token_chunk_explicit:
-        budget = opts.scratch_bytes
-        if accumulate:
-            budget -= weight_rows * d_model * 4
-        rows = min(rows, budget // row_bytes) if budget > 0 else 0
+        rows = min(rows, _tile_rows(opts.scratch_bytes // row_bytes))
+        if wants_weight_grad and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR:
+            # Past two chunks the fp32 accumulator comes out of the same budget.
+            left = max(opts.scratch_bytes - weight_rows * d_model * 4, 0)
+            rows = min(rows, _tile_rows(left // row_bytes))
         if rows < min(n_rows, MIN_CHUNK_ROWS):
             if opts.backward == "forward":
                 raise ValueError(
@@ -91,8 +94,17 @@ def plan_forward_gradients(
                     "scratch_mb or use backward='auto'"
                 )
             return None
-        accumulate = wants_weight_grad and -(-n_rows // rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
+    accumulate = wants_weight_grad and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
     return ForwardGradPlan(chunk_rows=rows, fp32_weight_accumulator=accumulate)
+
+
+def _tile_rows(rows: int) -> int:
+    """``rows`` down to whole GEMM tiles (where there is one)."""
+    return rows // TILE_ROWS * TILE_ROWS if rows >= TILE_ROWS else rows
+
+
+def _chunks(n_rows: int, rows: int) -> int:
+    return -(-n_rows // max(rows, 1))
 
 
 def assumed_token_grad(

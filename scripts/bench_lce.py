@@ -3,16 +3,20 @@
     python scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini --tokens 8192 \
         --regimes uniform trained --out docs/benchmarks/run
 
-Providers: ours (``cce``: the default GEMM backward; ``cce-lean``: a 12 MiB buffer budget, which
+Providers: ours (``cce``: the default, gradients computed in the forward (three GEMMs) where
+the upstream gradient allows, ``cce-forward`` the same forced; ``cce-gemm``: the recomputing GEMM
+backward, the default until 2026-11; ``cce-lean``: a 12 MiB buffer budget, which
 keeps the total under 16 MiB with cuBLAS's temporaries; ``cce-kept``: ``recompute_logits=False``,
 the forward's logits kept as 16-bit exponentials so the backward skips their recompute;
 ``cce-tiles``: the fused tile backward with the safe filter; ``cce-tiles-paper``: the same with the
 paper's filter; ``cce-det``; ``chunked``; ``chunked-tokens``: gradients computed in the forward
 over token chunks of 512 MiB of logits, three matmuls and no recompute, a candidate budget mode),
 ``torch`` (eager full logits), ``torch.compile`` (the same function compiled), and, when
-installed, ``liger`` (liger-kernel's fused linear cross-entropy) and ``apple-cce``
-(cut-cross-entropy). Times are medians of ``triton.testing.do_bench`` (the backward is
-forward+backward minus forward, the forward running with autograd on); "extra memory" is the peak
+installed, ``liger`` (liger-kernel's fused linear cross-entropy), ``apple-cce``
+(cut-cross-entropy) and ``megatron-fused`` (megatron-core's fused vocab-parallel cross-entropy on
+bf16 logits at TP=1, what ``--cross-entropy-loss-fusion`` runs). Times are medians of
+``triton.testing.do_bench`` (the backward is forward+backward minus forward, the forward
+running with autograd on); "extra memory" is the peak
 allocated during forward+backward above the inputs and the gradient buffers.
 
 Data regimes (``make_inputs``):
@@ -107,6 +111,9 @@ def torch_loss(hidden, weight, target):
 def providers(names: list[str]) -> dict:
     table = {
         "cce": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce"),
+        "cce-forward": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce",
+                                                            backward="forward"),
+        "cce-gemm": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", backward="gemm"),
         "cce-lean": lambda h, w, t: linear_cross_entropy(
             h, w, t, impl="cce", scratch_mb=LEAN_SCRATCH_MB
         ),
@@ -141,10 +148,40 @@ def providers(names: list[str]) -> dict:
         table["apple-cce"] = lambda h, w, t: apple_lce(h, w, t)
     except ImportError:
         pass
+    if "megatron-fused" in names:
+        fused = megatron_fused_loss()
+        if fused is not None:
+            table["megatron-fused"] = fused
     missing = [n for n in names if n not in table]
     if missing:
         print(f"# not available, skipped: {', '.join(missing)}")
     return {n: table[n] for n in names if n in table}
+
+
+def megatron_fused_loss():
+    """What megatron-core runs with ``--cross-entropy-loss-fusion`` (impl "native") at TP=1:
+    bf16 logits from the output layer's matmul, then ``fused_vocab_parallel_cross_entropy``."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    except ImportError:
+        return None
+    if not dist.is_initialized():
+        import os
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def loss(h, w, t):
+        logits = (h @ w.t()).unsqueeze(1)  # [s, b=1, V], the layer's dtype
+        return fused_vocab_parallel_cross_entropy(logits, t.unsqueeze(1), group).mean()
+
+    return loss
 
 
 def measure(fn, hidden, weight, target, rep_ms: int) -> dict:

@@ -1,0 +1,213 @@
+"""The gradient-in-forward backward (fused_lce/forward_grad.py) against the fp64 oracle.
+
+Each case checks that the mode really ran (the token-chunk walk, or the exact recompute where the
+upstream gradient is not the assumed one), then compares loss and gradients with float64 on the
+CPU through ``compare_to_reference`` (bound: twice torch's own error in the same dtype). Sizes
+are odd, so no chunk or block divides them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers_lce import compare_to_reference, make_problem, run_reference_fp64
+
+from fused_lce import engine, forward_grad, linear_cross_entropy
+from fused_lce.forward_grad import (
+    DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_ROWS,
+    ForwardGradPlan,
+    plan_forward_gradients,
+)
+from fused_lce.options import LCEOptions
+
+N, V, D = 45, 203, 23
+
+
+@pytest.fixture
+def walks(monkeypatch) -> list[ForwardGradPlan]:
+    """The plans the token-chunk walk ran with, in call order."""
+    plans = []
+    original = engine._gradients_in_forward
+
+    def spy(strategy, inputs, call, plan, *args):
+        plans.append(plan)
+        return original(strategy, inputs, call, plan, *args)
+
+    monkeypatch.setattr(engine, "_gradients_in_forward", spy)
+    return plans
+
+
+@pytest.fixture
+def recomputes(monkeypatch) -> list[str]:
+    """One entry per backward that fell back to the exact recompute."""
+    calls = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: calls.append(where))
+    return calls
+
+
+OPTION_SETS = {
+    "plain": {},
+    "softcap+smoothing+z": {"softcap": 4.0, "label_smoothing": 0.1, "z_loss": 1e-3},
+    "ignored": {"ignore_frac": 0.3},
+    "bias": {"bias": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", list(OPTION_SETS), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one-chunk", "chunks-of-8"])
+def test_scalar_losses_match_fp64(dtype, regime, reduction, options, chunk, walks, recomputes):
+    kw = dict(OPTION_SETS[options])
+    problem_kw = {k: kw.pop(k) for k in ("ignore_frac", "bias") if k in kw}
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, regime, seed=3, **problem_kw)
+    if chunk is not None:
+        kw["token_chunk_size"] = chunk
+    compare_to_reference(hidden, weight, target, bias, impl="cce", reduction=reduction, **kw)
+    assert len(walks) == 1 and not recomputes
+    # 45 rows in chunks of 8 is 6 chunks: the weight gradient then sums in fp32.
+    assert walks[0] == ForwardGradPlan(N if chunk is None else 8, chunk is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_two_chunks_sum_the_weight_gradient_in_its_dtype(dtype, walks, recomputes):
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", seed=5, bias=True)
+    compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=23)
+    assert walks == [ForwardGradPlan(23, False)] and not recomputes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_none_with_its_loss_mask_keeps_the_forward_gradients(dtype, walks, recomputes):
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2, seed=7)
+    mask = (torch.arange(N) % 3 != 0).to(dtype)
+    scale = 0.37
+
+    def megatron_objective(h, w, impl, **kw):
+        loss = linear_cross_entropy(h, w, target, impl=impl, reduction="none", **kw)
+        return scale * (loss.float() * mask.to(loss.device).float()).sum()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    megatron_objective(h, w, "cce", loss_mask=mask, token_chunk_size=16).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    megatron_objective(h64, w64, "torch").backward()
+    assert len(walks) == 1 and not recomputes
+    bound = 2e-5 if dtype == torch.float32 else 2e-2
+    for ours, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        err = (ours.double() - ref).abs().max() / ref.abs().max()
+        assert err < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("how", ["none-random-upstream", "lse-in-objective"])
+def test_unexpected_upstream_gradients_are_recomputed_exactly(dtype, how, walks, recomputes):
+    """A "none" loss weighted at random per token, or a gradient through the lse: the stored
+    gradients do not apply, and the exact recompute runs instead (never a wrong result)."""
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2,
+                                                seed=11, bias=True)
+    kw = {"reduction": "none"} if how == "none-random-upstream" else {"return_lse": True}
+    compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=16, **kw)
+    assert len(walks) == 1 and len(recomputes) == 1
+
+
+def test_the_recompute_warns_once_per_backward():
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=2)
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, target, impl="cce", reduction="none")
+    with pytest.warns(UserWarning, match="loss_mask"):
+        (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
+
+
+def test_an_upstream_multiple_of_the_mean_needs_no_recompute(walks, recomputes):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=4)
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, target, impl="cce")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (3.0 * loss).backward()
+    ref = run_reference_fp64(hidden, weight, target, None)
+    err = (h.grad.double() - 3.0 * ref.grads["input"]).abs().max() / ref.grads["input"].abs().max()
+    assert err < 1e-5 and not recomputes
+
+
+def test_no_gradient_wanted_runs_the_plain_forward(walks):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=1)
+    with torch.no_grad():
+        linear_cross_entropy(hidden, weight, target, impl="cce")
+    linear_cross_entropy(hidden, weight, target, impl="cce")  # no input requires grad
+    assert walks == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"backward": "gemm"}, {"backward": "tiles"}, {"recompute_logits": False},
+     {"scratch_mb": 0.01}],
+    ids=["gemm", "tiles", "kept", "budget-below-one-chunk"],
+)
+def test_other_backwards_do_not_walk(options, walks):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=1)
+    compare_to_reference(hidden, weight, target, None, impl="cce", **options)
+    assert walks == []
+
+
+def test_loss_mask_is_checked_before_any_kernel():
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=1)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        linear_cross_entropy(hidden, weight, target, impl="cce", loss_mask=torch.ones(N))
+    with pytest.raises(ValueError, match=r"loss_mask must have target's shape \(45,\)"):
+        linear_cross_entropy(hidden, weight, target, impl="cce", reduction="none",
+                             loss_mask=torch.ones(N + 1))
+    with pytest.raises(TypeError, match="float or bool"):
+        linear_cross_entropy(hidden, weight, target, impl="cce", reduction="none",
+                             loss_mask=torch.ones(N, dtype=torch.int64))
+
+
+# --- the planner -------------------------------------------------------------------------------
+
+
+def _plan(n, v=256000, d=2304, wants_weight=True, **options):
+    return plan_forward_gradients(LCEOptions(**options), n, v, d, 2, wants_weight)
+
+
+def test_default_plan_halves_the_tokens_within_the_byte_cap():
+    assert _plan(8192) == ForwardGradPlan(4096, False)  # Gemma-2: 2 GiB holds 4194 rows
+    assert _plan(8192, v=128256) == ForwardGradPlan(4096, False)
+    assert DEFAULT_CHUNK_BYTES // (256000 * 2) == 4194  # rounded down to whole GEMM tiles:
+    assert _plan(65536) == ForwardGradPlan(4096, True)
+    assert _plan(1500) == ForwardGradPlan(1024, False)  # never under MIN_CHUNK_ROWS
+    assert _plan(3000) == ForwardGradPlan(1536, False)  # half of it, up to whole tiles
+    assert _plan(700) == ForwardGradPlan(700, False)
+
+
+def test_explicit_budgets():
+    assert _plan(8192, token_chunk_size=1000) == ForwardGradPlan(1000, True)
+    # 1 GiB holds 2097 rows of V = 256000: four chunks, and the fp32 accumulator (2.2 GiB)
+    # does not fit besides: the recompute backward runs.
+    assert _plan(8192, scratch_mb=1024.0) is None
+    assert _plan(8192, scratch_mb=1024.0, wants_weight=False) == ForwardGradPlan(2048, False)
+    assert _plan(8192, scratch_mb=12.0) is None
+    assert _plan(8192, scratch_mb=12.0, backward="gemm") is None
+    with pytest.raises(ValueError, match="backward='forward' needs at least 1024 tokens"):
+        _plan(8192, scratch_mb=12.0, backward="forward")
+    assert MIN_CHUNK_ROWS == 1024
+
+
+def test_plan_reads_the_scratch_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSED_LCE_SCRATCH_MB", "12")
+    assert _plan(8192) is None
+    monkeypatch.delenv("FUSED_LCE_SCRATCH_MB")
+    assert _plan(8192) == ForwardGradPlan(4096, False)
+
+
+def test_upstream_scale():
+    valid = torch.tensor([True, True, False, True])
+    assumed = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    scale = forward_grad.upstream_scale
+    assert scale(torch.tensor([0.5, 0.0, 7.0, 0.5]), None, assumed, valid, "none") == 0.5
+    assert scale(torch.tensor([0.5, 0.1, 0.0, 0.5]), None, assumed, valid, "none") is None
+    assert scale(torch.tensor([0.5, 0.0, 0.0, 0.4]), None, assumed, valid, "none") is None
+    assert scale(torch.tensor(2.0), torch.zeros(4), assumed, valid, "mean") is None
+    assert scale(torch.tensor(2.0), None, assumed, valid, "mean") == 2.0
