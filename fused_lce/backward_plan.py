@@ -15,7 +15,7 @@ kernels cannot import this module (docs/architecture.md), so the plan is made he
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -144,7 +144,7 @@ class WeightBufferLayout:
     g_rows: int
     free_from: int
     small_cols: int
-    halved_chunks: tuple[tuple[int, int], ...] = field(default=())
+    halved_chunks: tuple[tuple[int, int], ...] = ()
 
 
 def _rows_holding(n_bytes: int, row_bytes: int) -> int:
