@@ -15,17 +15,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .backward_plan import (
+    backward_path,
+    filter_settings,
+    keeps_logits,
+    plan_gemm_backward_for,
+    use_vocab_sort,
+)
 from .engine import LCEFunction, ShardCall, ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan
-from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config, lce_backward
+from .kernels.backward import lce_backward
 from .kernels.common import INTERPRET
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .options import LCEOptions, without_backward_options
 from .terms import GradCoefficients
-
-_FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
 
 @dataclass
@@ -91,44 +96,6 @@ def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
     return None if vector is None else vector.contiguous()
 
 
-def filter_settings(
-    opts: LCEOptions, dtype: torch.dtype, n_classes: int, device: torch.device
-) -> tuple[int, float]:
-    """(FILTER code, per-tile threshold) for the backward kernel.
-
-    The safe criterion's budget eps is spread evenly over the vocabulary's tiles, so a tile may
-    hold at most eps * BLOCK_V / V of a row's mass. Label smoothing gives every column a gradient
-    of ls / V, which that criterion must not drop: it then computes every tile.
-    """
-    mode, eps = opts.filter_mode(dtype)
-    if mode == "mass":
-        if opts.label_smoothing > 0:
-            return FILTER_OFF, 0.0
-        block_v = backward_config(device).block_v
-        return FILTER_MASS, eps * block_v / n_classes
-    return _FILTER_CODES[mode], eps
-
-
-def backward_path(opts: LCEOptions) -> str:
-    """The recomputing backward: "auto" and "forward" (where its gradients do not apply) take
-    the gemm one."""
-    return "gemm" if opts.backward in ("auto", "forward") else opts.backward
-
-
-def keeps_logits(opts: LCEOptions) -> bool:
-    """Whether the forward keeps its logits for the backward (LCEOptions.recompute_logits)."""
-    return not opts.recompute_logits and backward_path(opts) == "gemm"
-
-
-def use_vocab_sort(opts: LCEOptions, filter_code: int) -> bool:
-    return (
-        backward_path(opts) == "tiles"
-        and opts.vocab_sort
-        and filter_code != FILTER_OFF
-        and not opts.deterministic
-    )
-
-
 def shard_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -152,6 +119,11 @@ def shard_backward(
     """
     bias = _unit_stride(bias)
     if backward_path(opts) == "gemm":
+        plan = plan_gemm_backward_for(
+            hidden, weight, bias, scratch_bytes=opts.scratch_bytes, want_hidden=needs[0],
+            want_weight=needs[1], want_bias=needs[2],
+            into_accumulator=d_weight_accumulator is not None, kept=kept is not None,
+        )
         return lce_backward_gemm(
             hidden,
             weight,
@@ -162,7 +134,7 @@ def shard_backward(
             lse,
             coefs,
             softcap=opts.softcap,
-            scratch_bytes=opts.scratch_bytes,
+            plan=plan,
             want_hidden=needs[0],
             want_weight=needs[1],
             want_bias=needs[2],

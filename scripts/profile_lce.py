@@ -20,8 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.kernels import gemm_plan  # noqa: E402
+from fused_lce import backward_plan, linear_cross_entropy  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 
@@ -66,11 +65,11 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--chunk-cols", type=int, default=None,
                         help="GEMM backward: columns per G chunk when every row fits "
-                        "(gemm_plan.MAX_CHUNK_COLS)")
+                        "(backward_plan.MAX_CHUNK_COLS)")
     args = parser.parse_args(argv)
     tma = None if args.tma is None else args.tma == "1"
     if args.chunk_cols is not None:
-        gemm_plan.MAX_CHUNK_COLS = args.chunk_cols
+        backward_plan.MAX_CHUNK_COLS = args.chunk_cols
     cfg = load_model_config(args.model)
     torch.manual_seed(0)
     hidden = torch.randn(args.tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -108,7 +107,7 @@ def main(argv=None) -> None:
     span_us = intervals[-1][1] - intervals[0][0]
     label = (f"{args.model} N={args.tokens} scratch_mb={args.scratch_mb} "
              f"check_targets={args.check_targets} tma={'env' if tma is None else int(tma)} "
-             f"chunk_cols={gemm_plan.MAX_CHUNK_COLS}")
+             f"chunk_cols={backward_plan.MAX_CHUNK_COLS}")
     print(f"# {label}")
     print(f"wall {wall_ms:.2f} ms/step (events, no profiler); under the profiler: span "
           f"{span_us / 1e3 / args.steps:.2f}, GPU busy {busy_us / 1e3 / args.steps:.2f}, "

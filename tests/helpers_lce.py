@@ -398,11 +398,11 @@ def skippable_tiles(
 def record_chunk_plans(monkeypatch) -> list[tuple[str, tuple[int, int]]]:
     """Records each cce backward's chunk plan as ("tiles" | "gemm", (rows, cols)) per chunk.
 
-    Wraps the planners where the backward launchers look them up, so a test can check that a
-    buffer budget really produced several chunks without repeating the planners' arithmetic.
+    Wraps the planners where their callers look them up, so a test can check that a buffer
+    budget really produced several chunks without repeating the planners' arithmetic.
     """
+    import fused_lce.backward_plan as gemm
     import fused_lce.kernels.backward as tiles
-    import fused_lce.kernels.grad_logits as gemm
 
     plans: list[tuple[str, tuple[int, int]]] = []
     plan_tiles, plan_gemm = tiles.plan_chunks, gemm.plan_gemm_chunks

@@ -20,6 +20,7 @@ import torch
 from helpers import assert_close_rel, rel_err
 from helpers_lce import IGNORE_INDEX, make_problem, record_chunk_plans
 
+from fused_lce.backward_plan import plan_gemm_backward_for
 from fused_lce.function import local_targets, prepare_rows
 from fused_lce.kernels.backward import (
     FILTER_ENTRY,
@@ -378,6 +379,16 @@ def _check_grad_logits_chunk(dtype, d, options):
     assert ignored.any() and torch.count_nonzero(out[ignored]) == 0
 
 
+def _backward_gemm(inputs, softcap, scratch_bytes, **kwargs):
+    """lce_backward_gemm under the plan that shard_backward makes for the same arguments."""
+    plan = plan_gemm_backward_for(
+        inputs["hidden"], inputs["weight"], inputs["bias"], scratch_bytes=scratch_bytes,
+        into_accumulator=kwargs.get("d_weight_accumulator") is not None,
+        kept=kwargs.get("kept") is not None,
+    )
+    return lce_backward_gemm(**inputs, softcap=softcap, plan=plan, **kwargs)
+
+
 @pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
 @pytest.mark.parametrize("scratch", [64 * 2**20, 100_000], ids=["one-chunk", "several-chunks"])
 def test_backward_gemm_matches_fp64(monkeypatch, options, scratch):
@@ -385,9 +396,7 @@ def test_backward_gemm_matches_fp64(monkeypatch, options, scratch):
     plans = record_chunk_plans(monkeypatch)
 
     def run():
-        d_hidden, d_weight, d_bias = lce_backward_gemm(
-            **inputs, softcap=opts.softcap, scratch_bytes=scratch
-        )
+        d_hidden, d_weight, d_bias = _backward_gemm(inputs, opts.softcap, scratch)
         return {"input": d_hidden, "weight": d_weight, "bias": d_bias}
 
     first, second = run(), run()
@@ -463,6 +472,7 @@ def test_tma_needs_aligned_16_bit_rows():
 @pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
 @pytest.mark.parametrize("small", [300, 40], ids=["small-300", "small-40"])
 def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, small):
+    import fused_lce.backward_plan as planner
     import fused_lce.kernels.grad_logits as gemm
 
     n, v = N, 5003
@@ -470,9 +480,9 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, sma
         dtype, "near-uniform", options, seed=50, d=d, n=n, v=v
     )
     layouts = []
-    plan = gemm.plan_weight_buffer
+    plan = planner.plan_weight_buffer
     monkeypatch.setattr(
-        gemm, "plan_weight_buffer", lambda *a: layouts.append(plan(*a)) or layouts[-1]
+        planner, "plan_weight_buffer", lambda *a: layouts.append(plan(*a)) or layouts[-1]
     )
     widths = []
     kernel = gemm.grad_logits
@@ -483,9 +493,7 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, sma
     # The per-token vectors, the fp32 bias gradient and a G chunk of `small` columns: far under
     # the budget of a chunk of every row.
     scratch = n * 64 + v * 4 + n * elem * small
-    d_hidden, d_weight, d_bias = lce_backward_gemm(
-        **inputs, softcap=opts.softcap, scratch_bytes=scratch
-    )
+    d_hidden, d_weight, d_bias = _backward_gemm(inputs, opts.softcap, scratch)
     (layout,) = layouts
     assert layout is not None and small - 16 <= layout.small_cols <= small
     # Each of the four passes of the docstring covers some columns. The last one goes through
@@ -496,8 +504,8 @@ def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, sma
     assert widths[-1] <= layout.small_cols
     assert 0 < layout.g_rows < layout.free_from < v - layout.chunk_cols
     got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
-    whole = dict(zip(("input", "weight", "bias"), lce_backward_gemm(
-        **inputs, softcap=opts.softcap, scratch_bytes=64 * 2**20
+    whole = dict(zip(("input", "weight", "bias"), _backward_gemm(
+        inputs, opts.softcap, 64 * 2**20
     )))
     for name, want in _expected_grads(inputs, grad_logits64).items():
         assert got[name].dtype == dtype
@@ -608,9 +616,7 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
         raise AssertionError("a logit chunk was recomputed")
 
     monkeypatch.setattr(gemm, "grad_logits", no_recompute)
-    d_hidden, d_weight, d_bias = lce_backward_gemm(
-        **inputs, softcap=opts.softcap, scratch_bytes=64 * 2**20, kept=kept
-    )
+    d_hidden, d_weight, d_bias = _backward_gemm(inputs, opts.softcap, 64 * 2**20, kept=kept)
     assert kept.scaled is None  # consumed: G took its storage
     got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
     for name, want in _expected_grads(inputs, grad_logits64).items():
@@ -666,9 +672,9 @@ def test_backward_from_kept_logits_into_fp32_partials():
                         inputs["row_order"], inputs["n_valid"], keep_logits=True)
     main_grad = torch.randn(V, D, dtype=torch.float32)
     before = main_grad.clone()
-    d_hidden, d_weight, _ = lce_backward_gemm(
-        **inputs, softcap=None, scratch_bytes=64 * 2**20, kept=stats.kept,
-        d_hidden_dtype=torch.float32, d_weight_accumulator=main_grad,
+    d_hidden, d_weight, _ = _backward_gemm(
+        inputs, None, 64 * 2**20, kept=stats.kept, d_hidden_dtype=torch.float32,
+        d_weight_accumulator=main_grad,
     )
     want = _expected_grads(inputs, grad_logits64)
     assert d_weight is None and d_hidden.dtype == torch.float32

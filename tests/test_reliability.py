@@ -77,6 +77,7 @@ def test_strided_target_batch(options):
 
 
 def test_launchers_reject_what_their_kernels_misread():
+    from fused_lce.backward_plan import plan_gemm_backward_for
     from fused_lce.function import local_targets, prepare_rows
     from fused_lce.kernels.backward import lce_backward
     from fused_lce.kernels.grad_logits import lce_backward_gemm
@@ -100,9 +101,11 @@ def test_launchers_reject_what_their_kernels_misread():
     ones = torch.ones(N)
     coefs = GradCoefficients(ones, -ones, None)
     target_local = local_targets(target, rows.valid, 0, V)
-    common = dict(softcap=None, scratch_bytes=2**20)
-    tiles = dict(filter_mode=0, filter_threshold=0.0, vocab_order=None, deterministic=False)
-    for backward, extra in ((lce_backward, tiles), (lce_backward_gemm, {})):
+    common = dict(softcap=None)
+    tiles = dict(filter_mode=0, filter_threshold=0.0, vocab_order=None, deterministic=False,
+                 scratch_bytes=2**20)
+    gemm = dict(plan=plan_gemm_backward_for(hidden, weight, bias, scratch_bytes=2**20))
+    for backward, extra in ((lce_backward, tiles), (lce_backward_gemm, gemm)):
         with pytest.raises(ValueError, match=r"target_local must have unit stride"):
             backward(hidden, weight, bias, strided(target_local, 0), rows.order, rows.n_valid,
                      ones, coefs, **common, **extra)

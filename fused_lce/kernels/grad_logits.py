@@ -10,8 +10,9 @@ two GEMMs consume it, with no atomics at all:
 
 The kernel recomputes the logit tile as the fused backward does and forms G with the same
 ``grad_from_logits``, so the two paths share their math; on Hopper it reads its tiles through
-the copy engine (TMA). Rows past the last non-ignored token get G = 0. How large a chunk is, and
-whether the buffers borrow the weight gradient's storage, is planned in gemm_plan.py.
+the copy engine (TMA). Rows past the last non-ignored token get G = 0. Which strategy a call
+takes (kept logits, buffers borrowed from the weight gradient's storage, or token chunks of what
+size) is planned on the host by fused_lce/backward_plan.py; ``lce_backward_gemm`` follows its plan.
 """
 
 from __future__ import annotations
@@ -30,19 +31,9 @@ from .common import (
     gpu_family,
     logits_tile,
     logits_tile_tma,
-    num_sms,
     round_code,
     tma_descriptor,
     use_tma,
-)
-from .gemm_plan import (
-    MAX_SECOND_PASS,
-    MIN_BORROWED_COLS,
-    MIN_TOKEN_CHUNK_ROWS,
-    WeightBufferLayout,
-    _rows_holding,
-    plan_gemm_chunks,
-    plan_weight_buffer,
 )
 from .lse_forward import KeptLogits, valid_rows
 
@@ -330,7 +321,7 @@ def lce_backward_gemm(
     coefs,
     *,
     softcap: float | None,
-    scratch_bytes: int,
+    plan,
     want_hidden: bool = True,
     want_weight: bool = True,
     want_bias: bool = True,
@@ -342,17 +333,18 @@ def lce_backward_gemm(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 
-    With ``kept`` (the forward's logits, ``recompute_logits=False``) G is formed in their
-    storage, all of it at once, and no logit is recomputed: see ``_backward_from_kept``.
+    ``plan`` (a fused_lce.backward_plan.GemmBackwardPlan, made for these arguments by
+    ``plan_gemm_backward_for``) names the strategy: "kept" forms G in the storage of ``kept``
+    (the forward's logits, ``recompute_logits=False``), all of it at once, and recomputes no
+    logit (``_backward_from_kept``); "borrowed" keeps the buffers inside d_weight
+    (``_backward_in_weight_buffer``); "token_chunks" walks chunks of the planned size
+    (``_backward_in_token_chunks``).
 
-    Arguments as for ``backward.lce_backward``; ``tma`` as for ``lse_forward``;
+    Other arguments as for ``backward.lce_backward``; ``tma`` as for ``lse_forward``;
     ``d_hidden_dtype`` (default: hidden's) lets a vocabulary shard hand its partial d_hidden to
     the all-reduce in fp32. With
     ``d_weight_accumulator`` (an fp32 (V, D) buffer, e.g. Megatron's ``main_grad``) the weight
     gradient is added into it by the GEMMs themselves and d_weight is returned as None.
-
-    The token chunks walk positions of ``row_order`` (non-ignored rows first); G rows of ignored
-    tokens are zero, so they add nothing.
     """
     # Check constraints.
     check_operands(hidden, weight, bias)
@@ -364,8 +356,7 @@ def lce_backward_gemm(
             f"d_weight_accumulator must be fp32 of weight's shape {tuple(weight.shape)}, got "
             f"{d_weight_accumulator.dtype} {tuple(d_weight_accumulator.shape)}"
         )
-    n_rows, d_model = hidden.shape
-    n_vocab = weight.shape[0]
+    n_rows, n_vocab = hidden.shape[0], weight.shape[0]
     want_bias = want_bias and bias is not None
     d_hidden_dtype = d_hidden_dtype or hidden.dtype
     d_hidden = torch.empty_like(hidden, dtype=d_hidden_dtype) if want_hidden else None
@@ -380,35 +371,58 @@ def lce_backward_gemm(
                 grad.zero_()
         return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
-    if kept is not None:
+    _check_plan(plan, kept, d_hidden, d_weight)
+    if plan.kind == "kept":
         _backward_from_kept(
             hidden, weight, target_local, row_order, n_valid, lse, coefs, softcap, kept,
             d_hidden, d_weight, d_bias, d_weight_accumulator,
         )
-        return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+    elif plan.kind == "borrowed":
+        _backward_in_weight_buffer(
+            hidden, weight, bias, target_local, lse, coefs, softcap, plan.layout,
+            d_hidden, d_weight, d_bias, round_16bit, tma,
+        )
+    else:
+        _backward_in_token_chunks(
+            hidden, weight, bias, target_local, row_order, n_valid, lse, coefs, softcap,
+            plan.chunk_rows, plan.chunk_cols, d_hidden, d_weight, d_bias,
+            d_weight_accumulator if into_accumulator else None, round_16bit, tma,
+        )
+    return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
-    # The per-token vectors (lse, coefficients, row order, targets, their temporaries: 64 bytes
-    # a token) and the fp32 bias gradient live beside the chunk buffers: keep them inside the
-    # budget too. (Measured at N = 65536 with 32 bytes a token: 1.8 MiB over a 512 MiB budget.)
-    buffers = scratch_bytes - n_rows * 64 - (n_vocab * 4 if want_bias else 0)
-    chunk_rows, chunk_cols = plan_gemm_chunks(
-        n_rows, n_vocab, d_model, hidden.element_size(), buffers, num_sms(hidden.device)
-    )
-    elem = hidden.element_size()
-    needed = chunk_rows * d_model * (4 + elem) + chunk_rows * chunk_cols * elem
-    borrowable = d_weight is not None and d_weight.is_contiguous() and d_hidden is not None
-    if (chunk_rows < n_rows or needed > buffers) and borrowable:
-        # The budget cannot hold every row: rather than walk token chunks (and round the weight
-        # gradient to 16 bits once per chunk), borrow the weight gradient's own storage.
-        layout = plan_weight_buffer(n_rows, n_vocab, d_model, d_weight.element_size(), buffers)
-        if layout is not None and (
-            layout.free_from <= MAX_SECOND_PASS * n_vocab or chunk_rows < MIN_TOKEN_CHUNK_ROWS
-        ):
-            _backward_in_weight_buffer(
-                hidden, weight, bias, target_local, lse, coefs, softcap, layout,
-                d_hidden, d_weight, d_bias, round_16bit, tma,
-            )
-            return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+
+def _check_plan(plan, kept, d_hidden, d_weight) -> None:
+    """Raise unless the plan's strategy can run on these buffers."""
+    if plan.kind not in ("kept", "borrowed", "token_chunks"):
+        raise ValueError(f"a call with rows and columns needs a plan that computes, got {plan}")
+    if (plan.kind == "kept") != (kept is not None):
+        raise ValueError(
+            f"kept logits go with a 'kept' plan and only with it, got a {plan.kind!r} plan "
+            f"{'with' if kept is not None else 'without'} them"
+        )
+    if plan.kind == "borrowed" and (
+        d_hidden is None or d_weight is None or not d_weight.is_contiguous()
+    ):
+        raise ValueError(
+            "a 'borrowed' plan needs d_hidden and a contiguous d_weight of its own (no "
+            "d_weight_accumulator) to lend its storage"
+        )
+
+
+def _backward_in_token_chunks(
+    hidden, weight, bias, target_local, row_order, n_valid, lse, coefs, softcap,
+    chunk_rows, chunk_cols, d_hidden, d_weight, d_bias, d_weight_accumulator, round_16bit, tma,
+):
+    """The GEMM backward with its buffers from the budget: G chunks of (chunk_rows,
+    chunk_cols), an fp32 dE accumulator and the gathered hidden rows of one token chunk.
+
+    The token chunks walk positions of ``row_order`` (non-ignored rows first); G rows of ignored
+    tokens are zero, so they add nothing. With ``d_weight_accumulator`` the weight gradient is
+    added into it in fp32; d_weight, where given, is written (the first token chunk) and then
+    accumulated in its own dtype.
+    """
+    n_rows, d_model = hidden.shape
+    n_vocab = weight.shape[0]
     # Triton's interpreter truncates fp32 -> bf16 instead of rounding: there the kernel writes
     # fp32 and torch rounds, so CPU runs see the GPU's numerics.
     round_in_torch = INTERPRET and hidden.element_size() < 4
@@ -419,7 +433,7 @@ def lce_backward_gemm(
     )
     d_hidden_acc = (
         torch.empty((chunk_rows, d_model), device=hidden.device, dtype=torch.float32)
-        if want_hidden
+        if d_hidden is not None
         else None
     )
     # One buffer for every token chunk's gathered rows: `x = hidden.index_select(...)` in the
@@ -444,7 +458,7 @@ def lce_backward_gemm(
             weight_chunk = weight[vocab_start : vocab_start + cols]
             if d_hidden_acc is not None:
                 _accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
-            if into_accumulator:
+            if d_weight_accumulator is not None:
                 _accumulate_mm(
                     d_weight_accumulator[vocab_start : vocab_start + cols], g.t(), hidden_chunk
                 )
@@ -458,15 +472,14 @@ def lce_backward_gemm(
                 d_bias[vocab_start : vocab_start + cols] += g.sum(dim=0, dtype=torch.float32)
         if d_hidden is not None:
             staged = d_hidden_acc[:rows]
-            if d_hidden_dtype != staged.dtype:
+            if d_hidden.dtype != staged.dtype:
                 # The gathered hidden rows are no longer needed: reuse them to stage the cast.
                 staged = hidden_chunk.copy_(staged)
             d_hidden.index_copy_(0, positions, staged)
-    return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
 
 def _backward_in_weight_buffer(
-    hidden, weight, bias, target_local, lse, coefs, softcap, layout: WeightBufferLayout,
+    hidden, weight, bias, target_local, lse, coefs, softcap, layout,
     d_hidden, d_weight, d_bias, round_16bit, tma,
 ):
     """The GEMM backward with its G chunk and fp32 dE accumulator inside ``d_weight``.
@@ -482,7 +495,8 @@ def _backward_in_weight_buffer(
     Rows are taken in their own order, ignored ones included (their coefficients are zero and
     their lse +inf, so their G rows are exactly 0): E and dE need no gathered copy. The price is
     a second logit pass over ``free_from`` columns; the gain is a budget of a few MiB with dC
-    from one GEMM over every row, never rounded in between.
+    from one GEMM over every row, never rounded in between. ``layout`` is a
+    fused_lce.backward_plan.WeightBufferLayout.
     """
     n_rows, d_model = hidden.shape
     n_vocab = weight.shape[0]
@@ -531,15 +545,10 @@ def _backward_in_weight_buffer(
     for start, width in spans(layout.g_rows, layout.free_from, cols):
         g = g_chunk(g_buffer, start, width)
         torch.mm(g.t(), hidden, out=d_weight[start : start + width])
-    # 4: the chunk's own rows. Each round halves the chunk, which then fits below the columns
-    # it serves, while the half is still wider than `small`; `small` takes the rest.
-    elem = d_weight.element_size()
-    top, width = layout.g_rows, cols
-    while width // 2 >= MIN_BORROWED_COLS and width // 2 > layout.small_cols:
-        width //= 2
-        bottom = _rows_holding(n_rows * width * elem, d_model * elem)
-        if bottom >= top:
-            break
+    # 4: the chunk's own rows, through ever narrower halves of the chunk, each of which fits
+    # below the columns it serves; `small` takes the rest.
+    top = layout.g_rows
+    for bottom, width in layout.halved_chunks:
         half = flat[: n_rows * width].view(n_rows, width)
         for start, span in spans(bottom, top, width):
             g = g_chunk(half, start, span)
