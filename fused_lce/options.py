@@ -280,11 +280,13 @@ class LCEOptions:
 
 def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> LCEOptions:
     """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
-    that wants a gradient): an evaluation pass then keeps no logits."""
+    that wants a gradient): an evaluation pass then keeps no logits and computes no gradient."""
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if wanted or opts.recompute_logits:
+    if wanted or (opts.recompute_logits and opts.backward not in ("auto", "forward")):
         return opts
-    return replace_keeping_environment(opts, recompute_logits=True)
+    # Neither keep logits nor compute gradients in the forward (whose plain statistics are
+    # the gemm backward's forward).
+    return replace_keeping_environment(opts, recompute_logits=True, backward="gemm")
 
 
 def replace_keeping_environment(opts: LCEOptions, **changes) -> LCEOptions:

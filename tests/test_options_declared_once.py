@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {f.name: f.default for f in dataclasses.fields(LCEOptions)}
 # Keywords that are not options of the computation: what the call returns or checks, and the
 # vocab-parallel layer's own arguments.
-CALL_KEYWORDS = {"return_lse", "check_targets"}
+CALL_KEYWORDS = {"return_lse", "check_targets", "loss_mask"}
 PARALLEL_KEYWORDS = {"group", "vocab_start_index", "vocab_size", "sequence_parallel", "debug",
                      "weight_grad_accumulator"}
 # The vocab-parallel layer has no padding rows of its own (vocab_size) and chunks by vocabulary.
