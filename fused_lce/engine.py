@@ -20,11 +20,11 @@ import torch
 from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
-    is_one,
     plan_forward_gradients,
     upstream_scale,
     warn_recompute,
 )
+from .kernels.scale import scale_unless_one_
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
@@ -361,29 +361,24 @@ def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, 
 
 
 def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):
-    """The forward's gradients times the upstream ``scale``, as the recompute path returns them."""
+    """The forward's gradients times the upstream ``scale`` (a device scalar, read by the kernels,
+    never by the host), as the recompute path returns them."""
     call: ShardCall = ctx.call
     d_hidden, d_shard_w, d_shard_b = grads
-    one = is_one(scale)
     d_input = None
     if needs[0]:
-        if not one:
-            d_hidden = d_hidden.mul_(scale)
+        d_hidden = scale_unless_one_(d_hidden, scale)
         d_input = call.reducer.reduce_input_grad(d_hidden).to(input.dtype).reshape(input.shape)
     d_weight = None
     accumulator = call.weight_grad_accumulator
     if needs[1] and accumulator is None:
-        d_weight = pad_rows(d_shard_w if one else d_shard_w.mul_(scale), weight)
+        d_weight = pad_rows(scale_unless_one_(d_shard_w, scale), weight)
     elif needs[1]:
-        shard_acc = accumulator[: call.local_classes]
-        if one:
-            shard_acc.add_(d_shard_w)
-        else:
-            shard_acc.addcmul_(d_shard_w, scale)
+        accumulator[: call.local_classes].addcmul_(d_shard_w, scale)
         d_weight = _main_grad_protocol(ctx.weight_param, weight)
     d_bias = None
     if needs[2] and bias is not None:
-        d_bias = pad_rows(d_shard_b if one else d_shard_b.mul_(scale), bias)
+        d_bias = pad_rows(d_shard_b.mul_(scale), bias)
     return d_input, d_weight, d_bias
 
 

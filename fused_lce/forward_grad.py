@@ -156,9 +156,3 @@ def warn_recompute(where: str) -> None:
         "backward. Pass the mask your loss applies as loss_mask to avoid this.",
         stacklevel=3,
     )
-
-
-def is_one(scale: torch.Tensor) -> bool:
-    """Whether ``scale`` is exactly 1 (one host sync): ``loss.backward()`` then multiplies the
-    stored gradients by nothing, which saves reading and writing the weight gradient."""
-    return bool(scale == 1)
