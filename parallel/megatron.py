@@ -313,7 +313,8 @@ def _wrap(function, options: dict | Callable[[], dict]):
 
     @functools.wraps(function)
     def wrapper(self, *args, **kwargs):
-        labels = signature.bind_partial(self, *args, **kwargs).arguments.get("labels")
+        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        labels = arguments.get("labels")
         if (
             labels is None
             or not wants_cce(self.config)
@@ -322,7 +323,7 @@ def _wrap(function, options: dict | Callable[[], dict]):
             return function(self, *args, **kwargs)
         if not resolved:
             resolved.append(options())
-        with _deferred_output(self, resolved[0]):
+        with _deferred_output(self, resolved[0], arguments.get("loss_mask")):
             return function(self, *args, **kwargs)
 
     setattr(wrapper, _PATCHED, True)
@@ -330,8 +331,10 @@ def _wrap(function, options: dict | Callable[[], dict]):
 
 
 @contextlib.contextmanager
-def _deferred_output(gpt, options: dict):
-    """For one call: the output layer defers its matmul and the loss consumes the deferral."""
+def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None):
+    """For one call: the output layer defers its matmul and the loss consumes the deferral.
+    ``loss_mask`` (the forward's, [b, s]) tells the op what the loss function will weigh each
+    token's loss by, so it can compute the gradients in its forward (fused_lce.forward_grad)."""
     layer = gpt.output_layer
     had_forward = "forward" in layer.__dict__
     saved_forward = layer.__dict__.get("forward")
@@ -349,7 +352,7 @@ def _deferred_output(gpt, options: dict):
 
     def loss(labels, logits):
         if isinstance(logits, DeferredLogits):
-            return _per_token_loss(gpt, labels, logits, options)
+            return _per_token_loss(gpt, labels, logits, options, loss_mask)
         return original_loss(labels, logits)
 
     layer.forward = deferred_forward
@@ -368,7 +371,8 @@ def _restore(obj, name: str, had: bool, saved) -> None:
         obj.__dict__.pop(name, None)
 
 
-def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options: dict):
+def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options: dict,
+                    loss_mask: torch.Tensor | None = None):
     """Megatron's per-token loss [b, s] from labels [b, s] and the deferred output layer."""
     import torch.distributed as dist
 
@@ -391,6 +395,8 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
     accumulator = None
     if getattr(gpt.config, "gradient_accumulation_fusion", False):
         accumulator = getattr(weight, "main_grad", None)
+    if loss_mask is not None and tuple(loss_mask.shape) != tuple(labels.shape):
+        loss_mask = None  # not the per-token mask of these labels (the op then assumes all ones)
     loss = vocab_parallel_linear_cross_entropy(
         deferred.hidden,
         weight,
@@ -402,6 +408,7 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
         reduction="none",
         check_targets=False,  # as Megatron's own loss: no host sync per micro-batch
         weight_grad_accumulator=accumulator,
+        loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1).contiguous(),
         **options,
     )
     return loss.transpose(0, 1).contiguous()

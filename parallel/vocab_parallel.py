@@ -67,6 +67,7 @@ def vocab_parallel_linear_cross_entropy(
     round_logits: bool = False,
     recompute_logits: bool = True,
     vocab_chunk_size: int | None = None,
+    token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
     tma: bool | None = None,
     check_targets: bool = True,
@@ -119,7 +120,7 @@ def vocab_parallel_linear_cross_entropy(
         softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
         vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
         recompute_logits=recompute_logits, vocab_chunk_size=vocab_chunk_size,
-        scratch_mb=scratch_mb, tma=tma,
+        token_chunk_size=token_chunk_size, scratch_mb=scratch_mb, tma=tma,
     )
     # Every check that could fail on one rank only runs before the ranks' one agreement
     # collective, which carries its verdict: a rank that raised alone would leave its peers

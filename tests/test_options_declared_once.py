@@ -19,7 +19,7 @@ CALL_KEYWORDS = {"return_lse", "check_targets", "loss_mask"}
 PARALLEL_KEYWORDS = {"group", "vocab_start_index", "vocab_size", "sequence_parallel", "debug",
                      "weight_grad_accumulator"}
 # The vocab-parallel layer has no padding rows of its own (vocab_size) and chunks by vocabulary.
-NOT_IN_PARALLEL = {"num_classes", "chunk_by", "token_chunk_size"}
+NOT_IN_PARALLEL = {"num_classes", "chunk_by"}
 
 
 def _keywords(fn) -> dict:

@@ -229,5 +229,7 @@ def forward_step(data_iterator, model):
         from megatron.core.utils import get_batch_on_this_cp_rank
 
         batch = get_batch_on_this_cp_rank(batch)  # this rank's 2 load-balanced sequence chunks
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The loss mask lets cce compute its gradients in the forward (the mask loss_func applies).
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
