@@ -175,3 +175,41 @@ def test_parser_gets_cce_choices():
     fresh = lce_megatron.add_arguments(argparse.ArgumentParser())
     args = fresh.parse_args(["--cross-entropy-fusion-impl", "cce"])
     assert args.cross_entropy_fusion_impl == "cce"
+
+
+class MaskedGPT(FakeGPT):
+    """A GPTModel whose _postprocess also takes the loss mask, as megatron-core's does."""
+
+    def _postprocess(self, hidden_states, labels=None, loss_mask=None):
+        return super()._postprocess(hidden_states, labels=labels)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("pass_mask", [True, False], ids=["mask-given", "no-mask"])
+def test_the_loss_mask_reaches_the_op(group, monkeypatch, pass_mask, accumulate):
+    """With the forward's loss mask the op keeps the gradients it computed in its forward for
+    Megatron's masked sum; without it, a mask with zeros makes it recompute. Both exact."""
+    from fused_lce import engine
+
+    recomputes = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
+    torch.manual_seed(0)
+    native, cce = MaskedGPT(group, fusion=False), MaskedGPT(group)
+    cce.load_state_dict(native.state_dict())
+    weight = cce.output_layer.weight
+    if accumulate:
+        cce.config.gradient_accumulation_fusion = True
+        weight.main_grad = torch.full_like(weight, 0.5)
+        weight.grad_added_to_main_grad = False
+    lce_megatron.install(cce, impl="cce")
+    hidden, labels = _inputs(3)
+    loss_mask = (torch.arange(B * S).view(B, S) % 3 != 0).float()
+    h2 = hidden.detach().clone().requires_grad_()
+    expected = native._postprocess(hidden, labels=labels, loss_mask=loss_mask)
+    got = cce._postprocess(h2, labels=labels, loss_mask=loss_mask if pass_mask else None)
+    (0.25 * (expected * loss_mask).sum()).backward()
+    (0.25 * (got * loss_mask).sum()).backward()
+    assert len(recomputes) == (0 if pass_mask else 1)
+    assert_close_rel(h2.grad, hidden.grad, 1e-5, "hidden grad")
+    weight_grad = weight.main_grad - 0.5 if accumulate else weight.grad
+    assert_close_rel(weight_grad, native.output_layer.weight.grad, 1e-5, "weight grad")
