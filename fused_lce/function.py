@@ -25,7 +25,7 @@ from .backward_plan import (
 from .engine import LCEFunction, ShardCall, ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan
 from .kernels.backward import lce_backward
-from .kernels.common import INTERPRET
+from .kernels.common import INTERPRET, accumulate_mm, mm_into
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
@@ -272,12 +272,12 @@ class TritonGradientChunks:
         if self.emulate_16bit:
             grad = grad.to(hidden.dtype)
         if self.d_hidden is not None:
-            _mm_into(self.d_hidden[rows], grad, weight)
+            mm_into(self.d_hidden[rows], grad, weight)
         if self.d_weight is not None:
             if self.first_chunk:
-                _mm_into(self.d_weight, grad.t(), hidden)
+                mm_into(self.d_weight, grad.t(), hidden)
             else:
-                _accumulate_mm(self.d_weight, grad.t(), hidden)
+                accumulate_mm(self.d_weight, grad.t(), hidden)
         if self.d_bias is not None:
             self.d_bias += grad.sum(dim=0, dtype=torch.float32)
         self.first_chunk = False
@@ -292,26 +292,6 @@ class TritonGradientChunks:
         if d_bias is not None:
             d_bias = d_bias.to(self.inputs.bias.dtype)
         return self.d_hidden, d_weight, d_bias
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a @ b, the product accumulated in fp32 and rounded once to out's dtype."""
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    elif out.is_cuda:
-        torch.addmm(out, a, b, beta=0, out_dtype=out.dtype, out=out)
-    else:
-        out.copy_(a.float() @ b.float())
-
-
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b; with a 16-bit acc the sum is rounded once per call (MAX_CHUNKS_WITHOUT_...)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(a.float() @ b.float())
 
 
 @dataclass

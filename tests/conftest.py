@@ -1,4 +1,5 @@
-"""Shared pytest setup: the Triton interpreter switch, GPU skips and the `seed` fixture.
+"""Shared pytest setup: the Triton interpreter switch, GPU skips, the `seed` fixture and the
+`walks` spy on the gradient-in-forward mode.
 
 The markers themselves are declared in pyproject.toml; this file only acts on them.
 """
@@ -35,3 +36,20 @@ def seed():
     value = 0
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """The plans of the gradient-in-forward walks (fused_lce/forward_grad.py) run during a test,
+    in call order: whether, and how, the mode ran."""
+    from fused_lce import engine
+
+    plans = []
+    original = engine._gradients_in_forward
+
+    def spy(strategy, inputs, call, plan, *args):
+        plans.append(plan)
+        return original(strategy, inputs, call, plan, *args)
+
+    monkeypatch.setattr(engine, "_gradients_in_forward", spy)
+    return plans

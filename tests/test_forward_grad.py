@@ -27,20 +27,6 @@ N, V, D = 45, 203, 23
 
 
 @pytest.fixture
-def walks(monkeypatch) -> list[ForwardGradPlan]:
-    """The plans the token-chunk walk ran with, in call order."""
-    plans = []
-    original = engine._gradients_in_forward
-
-    def spy(strategy, inputs, call, plan, *args):
-        plans.append(plan)
-        return original(strategy, inputs, call, plan, *args)
-
-    monkeypatch.setattr(engine, "_gradients_in_forward", spy)
-    return plans
-
-
-@pytest.fixture
 def recomputes(monkeypatch) -> list[str]:
     """One entry per backward that fell back to the exact recompute."""
     calls = []

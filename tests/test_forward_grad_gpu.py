@@ -10,25 +10,11 @@ import pytest
 import torch
 from helpers_lce import compare_to_reference, make_problem
 
-from fused_lce import engine, linear_cross_entropy
-from fused_lce.forward_grad import ForwardGradPlan
+from fused_lce import linear_cross_entropy
 
 pytestmark = pytest.mark.requires_cuda
 
 SHAPE = (2501, 20011, 257)  # odd everywhere: no chunk, block or tile divides it
-
-
-@pytest.fixture
-def walks(monkeypatch) -> list[ForwardGradPlan]:
-    plans = []
-    original = engine._gradients_in_forward
-
-    def spy(strategy, inputs, call, plan, *args):
-        plans.append(plan)
-        return original(strategy, inputs, call, plan, *args)
-
-    monkeypatch.setattr(engine, "_gradients_in_forward", spy)
-    return plans
 
 
 CASES = {

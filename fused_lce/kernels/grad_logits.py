@@ -25,6 +25,7 @@ from .backward import check_row_vectors, grad_from_logits
 from .common import (
     INTERPRET,
     TileConfig,
+    accumulate_mm,
     check_operands,
     check_vector,
     dot_settings,
@@ -299,17 +300,6 @@ def grad_logits(
     return out
 
 
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, with a and b in 16 bits, never rounding the product to 16 bits."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        # cuBLAS adds a 16-bit product into an fp32 output directly (beta = 1).
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
-
-
 def lce_backward_gemm(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -457,9 +447,9 @@ def _backward_in_token_chunks(
                 g = g.to(hidden.dtype)
             weight_chunk = weight[vocab_start : vocab_start + cols]
             if d_hidden_acc is not None:
-                _accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
+                accumulate_mm(d_hidden_acc[:rows], g, weight_chunk)
             if d_weight_accumulator is not None:
-                _accumulate_mm(
+                accumulate_mm(
                     d_weight_accumulator[vocab_start : vocab_start + cols], g.t(), hidden_chunk
                 )
             if d_weight is not None:
@@ -535,7 +525,7 @@ def _backward_in_weight_buffer(
     acc.zero_()
     for start, width in spans(layout.free_from, n_vocab, cols) + spans(0, layout.free_from, cols):
         g = g_chunk(g_buffer, start, width)
-        _accumulate_mm(acc, g, weight[start : start + width])
+        accumulate_mm(acc, g, weight[start : start + width])
         if start >= layout.free_from:
             torch.mm(g.t(), hidden, out=d_weight[start : start + width])
         if d_bias is not None:
@@ -578,9 +568,9 @@ def _backward_from_kept(
             torch.mm(g, weight, out=d_hidden)
         else:
             d_hidden.zero_()
-            _accumulate_mm(d_hidden, g, weight)
+            accumulate_mm(d_hidden, g, weight)
     if d_weight_accumulator is not None:
-        _accumulate_mm(d_weight_accumulator, g.t(), hidden)
+        accumulate_mm(d_weight_accumulator, g.t(), hidden)
     elif d_weight is not None:
         torch.mm(g.t(), hidden, out=d_weight)
     if d_bias is not None:
