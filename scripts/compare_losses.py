@@ -12,6 +12,9 @@ About 15 s on two cores.
 The implementations:
 
     cce       fused_lce's vocab-parallel linear cross-entropy (no logits), via the megatron adapter
+              (its pure-PyTorch path on a CPU, the Triton kernels on a GPU)
+    cce-triton  the same with the Triton kernels forced (``--cce-impl cce``): on a CPU, run it
+              under TRITON_INTERPRET=1
     native    megatron-core's fused vocab-parallel cross entropy (--cross-entropy-loss-fusion);
               note: its backward rounds the logit gradient to bf16 even in fp32 training
     unfused   megatron-core's plain vocab_parallel_cross_entropy (fp32 throughout)
@@ -34,6 +37,8 @@ from pathlib import Path
 
 IMPL_FLAGS = {
     "cce": ["--cross-entropy-fusion-impl", "cce"],
+    # The Triton kernels whatever the device (on a CPU: run under TRITON_INTERPRET=1).
+    "cce-triton": ["--cross-entropy-fusion-impl", "cce", "--cce-impl", "cce"],
     "native": ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"],
     "unfused": ["--cross-entropy-fusion-impl", "native"],
 }
