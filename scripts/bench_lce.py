@@ -274,9 +274,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[8192])
     parser.add_argument("--regimes", nargs="+", default=["uniform", "trained"])
     parser.add_argument("--providers", nargs="+",
-                        default=["cce", "cce-lean", "chunked", "chunked-tokens", "torch",
-                                 "torch.compile", "liger",
-                                 "apple-cce"])
+                        default=["cce", "cce-nocheck", "cce-gemm", "cce-lean", "cce-kept",
+                                 "torch.compile", "liger", "apple-cce", "megatron-fused"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out", type=Path, default=None)

@@ -63,13 +63,14 @@ for stage in "$@"; do
     bench)
         run bench 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \
             --tokens 8192 --regimes uniform trained \
-            --providers ${PROVIDERS:-cce cce-lean torch.compile liger apple-cce} \
+            --providers ${PROVIDERS:-cce cce-nocheck cce-gemm cce-lean cce-kept torch.compile \
+                liger apple-cce megatron-fused} \
             --rep-ms 150 --out "$results/bench"
         ;;
     bench-n)
         run bench_n 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \
             --tokens 2048 65536 --regimes uniform trained \
-            --providers ${PROVIDERS:-cce cce-lean torch.compile} --rep-ms 150 \
+            --providers ${PROVIDERS:-cce-nocheck cce-lean torch.compile} --rep-ms 150 \
             --out "$results/bench_n"
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
