@@ -92,9 +92,21 @@ def test_loss_terms():
     assert pm.padded_vocab(TINY, lay) == 1024  # a multiple of 128 x TP
     assert pm.loss_bytes(TINY, lay) == 256 * 512 * 6
     big = dataclasses.replace(TINY, vocab_size=256000)
-    cce = lay.replace(loss="cce")
+    cce = lay.replace(loss="cce", cce_backward="gemm")
     assert pm.loss_bytes(big, cce.replace(seq_length=4096)) == 512 * pm.MIB + 8192 * 16
     assert pm.loss_bytes(TINY, cce) == 256 * 512 * 4 + 256 * 16  # below the scratch bound
+
+
+def test_loss_terms_of_the_gradient_in_forward_default():
+    big = dataclasses.replace(TINY, vocab_size=256000)  # padded to 256000 at TP=2
+    lay = pm.Layout(seq_length=4096, micro_batch=2, tp=2, loss="cce")
+    d, vocab = big.hidden_size, 128000
+    # 8192 tokens: two chunks of 4096 rows, fp32 input-gradient partials (TP=2), a 16-bit
+    # weight gradient (two chunks sum in its own dtype).
+    expected = 4096 * vocab * 2 + 8192 * d * 4 + vocab * d * 2 + 8192 * 16
+    assert pm.loss_bytes(big, lay) == expected
+    # A budget that cannot hold 1024 tokens' logits: the recomputing backward within it.
+    assert pm.loss_bytes(big, lay.replace(scratch_mb=12.0)) == 12 * pm.MIB + 8192 * 16
 
 
 def test_stage_memory_composition():

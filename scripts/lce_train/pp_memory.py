@@ -60,9 +60,16 @@ only one is at the loss at a time):
         in that copy in place, keeping it for the backward: NATIVE_BYTES_PER_LOGIT = 6 bytes per
         logit, as measured on H200 with megatron-core 0.19.2 (6.1). With SP the sequence is
         gathered first, so the whole sequence's logits are there.
-    cce: the op's scratch bound (``scratch_mb``, 512 MiB by default; never more than one fp32
-        value per local logit, which only tiny models reach) plus CCE_BYTES_PER_TOKEN = 16 bytes
-        per token (fp32 log-sum-exp, int64 target, fp32 loss).
+    cce: what the op's own planner (fused_lce.forward_grad.plan_forward_gradients) holds. By
+        default the gradients are computed in the forward: one chunk of 16-bit logits (half the
+        micro-batch's tokens, at most 2 GiB), the stored input gradient (fp32 partials at
+        TP > 1, else 16-bit) and the shard's weight gradient (16-bit, or fp32 past two chunks),
+        from the forward to the backward. With ``cce_backward="gemm"``, or a ``scratch_mb`` that
+        cannot hold 1024 tokens' logits, the recomputing backward: its scratch bound
+        (``scratch_mb``, 512 MiB by default; never more than one fp32 value per local logit).
+        Either way plus CCE_BYTES_PER_TOKEN = 16 bytes per token (fp32 log-sum-exp, int64
+        target, fp32 loss). The pipeline studies in docs/pp_memory_balance.md were made with
+        the recomputing backward (``--cce-backward gemm``).
 
 Not modelled: the CUDA caching allocator's fragmentation and reserve, NCCL and pipeline p2p
 buffers, the CUDA context, and optimizer-step transients. Measured peaks
@@ -81,6 +88,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from fused_lce.forward_grad import plan_forward_gradients
+from fused_lce.options import LCEOptions
 from lce_train.configs import ModelConfig
 
 GIB = 2**30
@@ -116,8 +125,11 @@ class Layout:
     recompute: Recompute = "selective"
     sequence_parallel: bool = False
     loss: Loss = "native"
-    scratch_mb: float = 512.0
-    """cce's scratch bound in MiB (fused_lce's ``scratch_mb``)."""
+    scratch_mb: float | None = None
+    """cce's buffer budget in MiB (fused_lce's ``scratch_mb``; None: the op's default)."""
+    cce_backward: str = "auto"
+    """cce's backward (fused_lce's ``backward``): "auto" (gradients in the forward where they
+    fit) or "gemm" (the recomputing backward)."""
     vocab_divisible_by: int = 128
 
     def __post_init__(self) -> None:
@@ -132,8 +144,10 @@ class Layout:
             raise ValueError(f"loss must be native or cce, got {self.loss!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("virtual pipeline stages need pp > 1")
-        if not self.scratch_mb > 0:
-            raise ValueError(f"scratch_mb must be > 0, got {self.scratch_mb}")
+        if self.scratch_mb is not None and not self.scratch_mb > 0:
+            raise ValueError(f"scratch_mb must be > 0 or None, got {self.scratch_mb}")
+        if self.cce_backward not in ("auto", "gemm"):
+            raise ValueError(f"cce_backward must be auto or gemm, got {self.cce_backward!r}")
 
     @property
     def sp(self) -> bool:
@@ -290,8 +304,16 @@ def loss_bytes(cfg: ModelConfig, lay: Layout) -> float:
     tokens = lay.seq_length * lay.micro_batch
     if lay.loss == "native":
         return tokens * padded_vocab(cfg, lay) / lay.tp * NATIVE_BYTES_PER_LOGIT
-    scratch = min(lay.scratch_mb * MIB, tokens * padded_vocab(cfg, lay) / lay.tp * 4)
-    return scratch + tokens * CCE_BYTES_PER_TOKEN
+    vocab = padded_vocab(cfg, lay) // lay.tp
+    opts = LCEOptions(scratch_mb=lay.scratch_mb, backward=lay.cce_backward)
+    plan = plan_forward_gradients(opts, tokens, vocab, cfg.hidden_size, 2, True)
+    if plan is None:
+        scratch = min(opts.scratch_bytes, tokens * vocab * 4)
+        return scratch + tokens * CCE_BYTES_PER_TOKEN
+    held = plan.chunk_rows * vocab * 2
+    held += tokens * cfg.hidden_size * (4 if lay.tp > 1 else 2)
+    held += vocab * cfg.hidden_size * (4 if plan.fp32_weight_accumulator else 2)
+    return held + tokens * CCE_BYTES_PER_TOKEN
 
 
 def rank_memory(cfg: ModelConfig, lay: Layout, rank: int, chunks: list[int]) -> StageMemory:

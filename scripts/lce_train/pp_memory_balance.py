@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step per DP rank (global batch / (micro batch x DP))")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
                    help="activation recomputation; selective also stands for flash attention")
-    g.add_argument("--scratch-mb", type=float, default=512.0, help="cce's scratch bound")
+    g.add_argument("--scratch-mb", type=float, default=None,
+                   help="cce's buffer budget (fused_lce's scratch_mb; default: the op's)")
+    g.add_argument("--cce-backward", choices=("auto", "gemm"), default="auto",
+                   help="cce's backward: gradients in the forward (auto) or recomputed (gemm, "
+                        "what docs/pp_memory_balance.md's studies used)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="the split to start from (default: megatron's even split)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
@@ -83,7 +87,7 @@ def layout_from_args(args) -> pm.Layout:
         distributed_optimizer=args.use_distributed_optimizer, micro_batch=args.micro_batch_size,
         seq_length=args.seq_length, num_microbatches=args.num_microbatches,
         recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-        scratch_mb=args.scratch_mb)
+        scratch_mb=args.scratch_mb, cce_backward=args.cce_backward)
 
 
 def starting_split(cfg, lay: pm.Layout, args) -> list[int]:
