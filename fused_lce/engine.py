@@ -280,8 +280,10 @@ class LCEFunction(torch.autograd.Function):
         if ctx.forward_grads is not None:
             grads, ctx.forward_grads = ctx.forward_grads, None
             scale = upstream_scale(grad_loss, grad_lse, ctx.assumed, valid, opts.reduction)
-            if call.reducer.world_size > 1:
-                # Every rank must take the same path: the two differ in their collectives.
+            if call.reducer.world_size > 1 and opts.reduction == "none":
+                # Every rank must take the same path (the two differ in their collectives), and
+                # this verdict is the one that depends on data (whether the lse carries a
+                # gradient is the same structure on every rank).
                 failed = torch.full((1,), float(scale is None), device=lse.device)
                 if bool(call.reducer.all_reduce_max_(failed)):
                     scale = None
