@@ -132,16 +132,20 @@ class ShardStatistics(NamedTuple):
     target_logit: torch.Tensor  # 0 where another shard owns the target
 
 
+def _empty_statistics(inputs: ShardInputs, n_rows: int) -> ShardStatistics:
+    """What ``n_rows`` rows see of a shard without classes: max -inf, nothing to add."""
+    zeros = torch.zeros((n_rows,), dtype=torch.float32, device=inputs.hidden.device)
+    row_sum = zeros if inputs.opts.label_smoothing > 0 else None
+    return ShardStatistics(torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
+
+
 class EmptyShard:
     """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
     in every collective like the others."""
 
     @staticmethod
     def statistics(inputs: ShardInputs):
-        n = inputs.hidden.shape[0]
-        zeros = torch.zeros((n,), dtype=torch.float32, device=inputs.hidden.device)
-        row_sum = zeros if inputs.opts.label_smoothing > 0 else None
-        return None, ShardStatistics(torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
+        return None, _empty_statistics(inputs, inputs.hidden.shape[0])
 
     @staticmethod
     def backward(state, inputs: ShardInputs, request: ShardGradRequest):
@@ -168,11 +172,8 @@ class EmptyGradientChunks:
         self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
 
     def statistics(self, rows: slice) -> ShardStatistics:
-        n = len(range(*rows.indices(self.inputs.hidden.shape[0])))
-        sliced = ShardInputs(self.inputs.hidden[:n], self.inputs.weight, self.inputs.bias,
-                             self.inputs.target[:n], self.inputs.opts, self.inputs.vocab_start,
-                             self.inputs.num_classes)
-        return EmptyShard.statistics(sliced)[1]
+        n_rows = len(range(*rows.indices(self.inputs.hidden.shape[0])))
+        return _empty_statistics(self.inputs, n_rows)
 
     def gradients(self, rows: slice, lse, coefs) -> None:
         pass

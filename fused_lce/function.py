@@ -208,7 +208,6 @@ class TritonShard:
             d_weight_accumulator=request.d_weight_accumulator, kept=kept,
         )
 
-
     @staticmethod
     def recompute_state(inputs: ShardInputs) -> TritonShardState:
         """What ``backward`` needs where the forward computed gradients (and they do not apply)."""

@@ -197,3 +197,12 @@ def test_upstream_scale():
     assert scale(torch.tensor([0.5, 0.0, 0.0, 0.4]), None, assumed, valid, "none") is None
     assert scale(torch.tensor(2.0), torch.zeros(4), assumed, valid, "mean") is None
     assert scale(torch.tensor(2.0), None, assumed, valid, "mean") == 2.0
+
+
+def test_backward_forward_is_the_walk_and_refuses_kept_logits(walks):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=6)
+    compare_to_reference(hidden, weight, target, None, impl="cce", backward="forward")
+    assert walks == [ForwardGradPlan(N, False)]
+    with pytest.raises(ValueError, match="recompute_logits=False needs backward='gemm' or 'auto'"):
+        linear_cross_entropy(hidden, weight, target, impl="cce", backward="forward",
+                             recompute_logits=False)

@@ -251,3 +251,10 @@ def test_measure_overrides_layers_and_predicts_the_launchers_attention(capsys):
     assert "--num-layers 8" in out and "[2, 2, 2, 2]" in out
     if importlib.util.find_spec("transformer_engine") is None:  # local attention: scores kept
         assert "predicting the measured runs with --recompute none" in out
+
+
+def test_cce_backward_is_checked():
+    with pytest.raises(ValueError, match="cce_backward must be auto or gemm"):
+        pm.Layout(loss="cce", cce_backward="tiles")
+    with pytest.raises(ValueError, match="scratch_mb must be > 0 or None"):
+        pm.Layout(loss="cce", scratch_mb=0.0)

@@ -75,6 +75,22 @@ def _grad_tile(
 
 
 @triton.jit
+def load_row_terms(rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr,
+                   smooth_coef_ptr, HAS_SMOOTHING: tl.constexpr):
+    """(target, lse, p_coef, target_grad, smooth_coef) of ``rows``, what ``grad_from_logits``
+    takes per row; masked rows read target -1 and zeros. Without smoothing, smooth_coef is a
+    placeholder (p_coef) that the formula never reads."""
+    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
+    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
+    smooth_coef = p_coef
+    if HAS_SMOOTHING:
+        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+    return target, lse, p_coef, target_grad, smooth_coef
+
+
+@triton.jit
 def grad_from_logits(
     logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
     softcap, filter_threshold,
@@ -200,13 +216,10 @@ def _backward_kernel(
         # Row blocks past the last non-ignored token hold no work.
         block_has_rows = row_start + pid_n * BLOCK_N < n_valid
         rows = tl.load(row_order_ptr + pos_n, mask=row_mask, other=0).to(tl.int64)
-        target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-        p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-        target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-        smooth_coef = p_coef
-        if HAS_SMOOTHING:
-            smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+        target, lse, p_coef, target_grad, smooth_coef = load_row_terms(
+            rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr, smooth_coef_ptr,
+            HAS_SMOOTHING,
+        )
 
         for v_step in range(0, v_count):
             pid_v = v_first + v_step

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import check_row_vectors, grad_from_logits
+from .backward import check_row_vectors, grad_from_logits, load_row_terms
 from .common import (
     INTERPRET,
     TileConfig,
@@ -112,13 +112,10 @@ def _grad_logits_kernel(
         return
 
     rows = tl.load(row_order_ptr + row_start + local_n, mask=row_mask, other=0).to(tl.int64)
-    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-    smooth_coef = p_coef
-    if HAS_SMOOTHING:
-        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+    target, lse, p_coef, target_grad, smooth_coef = load_row_terms(
+        rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr, smooth_coef_ptr,
+        HAS_SMOOTHING,
+    )
     cols = (vocab_start + local_v).to(tl.int64)
     # The hidden chunk is already gathered in row order: it is read by position, not by row id.
     if USE_TMA:

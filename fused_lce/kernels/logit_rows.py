@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import grad_from_logits
+from .backward import grad_from_logits, load_row_terms
 from .common import INTERPRET, RowCoefficients, check_vector, tanh
 
 
@@ -102,13 +102,10 @@ def _grad_in_place_kernel(
     in_tile = row_mask[:, None] & col_mask[None, :]
     raw = tl.load(logits_ptr + rows[:, None] * stride_row + cols[None, :], mask=in_tile,
                   other=0.0).to(tl.float32)
-    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-    smooth_coef = p_coef
-    if HAS_SMOOTHING:
-        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+    target, lse, p_coef, target_grad, smooth_coef = load_row_terms(
+        rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr, smooth_coef_ptr,
+        HAS_SMOOTHING,
+    )
     grad, _ = grad_from_logits(
         raw, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
         softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, 0,
