@@ -49,7 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
+from fused_lce.options import LEAN_SCRATCH_MB, LCEOptions  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 MIB = 2**20
@@ -122,6 +122,11 @@ def providers(names: list[str]) -> dict:
         "cce-kept": lambda h, w, t: linear_cross_entropy(
             h, w, t, impl="cce", recompute_logits=False
         ),
+        # Liger's memory: its chunk at Phi-3.5's shape is 1024 tokens (64 MiB of logits), and it
+        # sums the weight gradient in bf16 over the chunks; this is ours on those terms.
+        "cce-liger-budget": lambda h, w, t: linear_cross_entropy(
+            h, w, t, impl="cce", scratch_mb=64, fp32_weight_grad=False
+        ),
         "cce-tiles": lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", backward="tiles"),
         "cce-tiles-paper": lambda h, w, t: linear_cross_entropy(
             h, w, t, impl="cce", backward="tiles", filter_eps="paper"
@@ -154,10 +159,25 @@ def providers(names: list[str]) -> dict:
         fused = megatron_fused_loss()
         if fused is not None:
             table["megatron-fused"] = fused
+    for name in names:
+        if name.startswith("cce:"):
+            table[name] = custom_cce(name)
     missing = [n for n in names if n not in table]
     if missing:
         print(f"# not available, skipped: {', '.join(missing)}")
     return {n: table[n] for n in names if n in table}
+
+
+def custom_cce(name: str):
+    """``cce:key=value,...``: ours with those options (ints, floats, 0/1 for bools), e.g.
+    ``cce:token_chunk_size=960,fp32_weight_grad=0``."""
+    options = {}
+    for item in name.split(":", 1)[1].split(","):
+        key, value = item.split("=")
+        default = LCEOptions.__dataclass_fields__[key].default
+        options[key] = bool(int(value)) if isinstance(default, bool) else (
+            float(value) if "." in value else int(value))
+    return lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", **options)
 
 
 def megatron_fused_loss():
@@ -259,6 +279,42 @@ def measure(fn, hidden, weight, target, rep_ms: int) -> dict:
             "extra_mib": extra / MIB, "loss": loss}
 
 
+def fp64_reference(hidden, weight, target, rows: int = 1024):
+    """(loss, d_hidden, d_weight) of the mean cross-entropy in float64 on the GPU, token chunk by
+    token chunk (the logits of one chunk at a time)."""
+    h, w = hidden.double(), weight.double()
+    n = h.shape[0]
+    loss = torch.zeros((), dtype=torch.float64, device=h.device)
+    d_h = torch.empty_like(h)
+    d_w = torch.zeros_like(w)
+    for start in range(0, n, rows):
+        logits = h[start:start + rows] @ w.t()
+        t = target[start:start + rows]
+        lse = torch.logsumexp(logits, dim=1)
+        loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+        grad = torch.softmax(logits, dim=1)
+        grad[torch.arange(len(t), device=t.device), t] -= 1
+        grad /= n
+        d_h[start:start + rows] = grad @ w
+        d_w += grad.t() @ h[start:start + rows]
+    return loss / n, d_h, d_w
+
+
+def relative_errors(fn, hidden, weight, target, reference) -> dict:
+    """Norm-wise relative error of the loss and both gradients against ``reference``."""
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    loss = fn(h, w, target)
+    loss.backward()
+
+    def rel(x, ref):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+
+    ref_loss, ref_h, ref_w = reference
+    return {"err_loss": rel(loss.detach(), ref_loss), "err_d_hidden": rel(h.grad, ref_h),
+            "err_d_weight": rel(w.grad, ref_w)}
+
+
 def gemm_ceiling(case: Case, dtype, rep_ms: int) -> float:
     from triton.testing import do_bench
 
@@ -279,6 +335,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--errors", action="store_true",
+                        help="also each provider's relative error of the loss and gradients "
+                        "against float64 (computed on the GPU)")
     parser.add_argument("--timer", choices=["loop", "do_bench"], default="loop",
                         help="loop: looped_median (default); do_bench: triton's, per call")
     args = parser.parse_args(argv)
@@ -302,6 +361,7 @@ def main(argv=None) -> None:
                 hidden, weight, target = make_inputs(case, dtype, "cuda")
                 stats = softmax_stats(hidden, weight, target)
                 ceiling = gemm_ceiling(case, dtype, args.rep_ms)
+                reference = fp64_reference(hidden, weight, target) if args.errors else None
                 one_mm = 2 * n_tokens * case.vocab * case.hidden / 1e9
                 print(f"# {model} N={n_tokens} V={case.vocab} D={case.hidden} {regime}: "
                       + ", ".join(f"{k}={v:.4g}" for k, v in stats.items())
@@ -316,6 +376,11 @@ def main(argv=None) -> None:
                                   "loss": math.nan}
                         torch.cuda.empty_cache()
                     result["tflops"] = 4 * one_mm / result["fwd_bwd_ms"]
+                    if reference is not None and not math.isnan(result["fwd_bwd_ms"]):
+                        result.update(relative_errors(fn, hidden, weight, target, reference))
+                    elif reference is not None:
+                        result.update(err_loss=math.nan, err_d_hidden=math.nan,
+                                      err_d_weight=math.nan)
                     row = {"model": model, "tokens": n_tokens, "vocab": case.vocab,
                            "hidden": case.hidden, "regime": regime, "provider": name,
                            **result, "gemm_tflops": ceiling,
@@ -325,8 +390,11 @@ def main(argv=None) -> None:
                           f"fwd {result['fwd_ms']:7.2f} ms  bwd {result['bwd_ms']:7.2f} ms  "
                           f"fwd+bwd {result['fwd_bwd_ms']:7.2f} ms  "
                           f"extra {result['extra_mib']:9.1f} MiB  loss {result['loss']:.4f}  "
-                          f"({time.time() - t0:.0f}s)", flush=True)
-                del hidden, weight, target
+                          + ("" if reference is None else
+                             f"err loss {result['err_loss']:.1e} dE {result['err_d_hidden']:.1e}"
+                             f" dC {result['err_d_weight']:.1e}  ")
+                          + f"({time.time() - t0:.0f}s)", flush=True)
+                del hidden, weight, target, reference
                 torch.cuda.empty_cache()
 
     if args.out is not None:

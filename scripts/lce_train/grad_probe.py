@@ -35,7 +35,9 @@ PAPER_EPS = 2.0**-12
 """The CCE paper's per-entry threshold in bf16 (finfo(bfloat16).eps / 32)."""
 
 PROBE_VARIANTS: dict[str, dict] = {
-    # The default op: the GEMM backward computes every tile, nothing is filtered.
+    # The default op since 2026-11: gradients computed in the forward from 16-bit logits.
+    "forward": {"backward": "forward"},
+    # The recomputing GEMM backward (the default before): every tile, nothing filtered.
     "gemm": {"backward": "gemm"},
     # The tile backward with the default mass-bound filter (docs/algorithm.md).
     "tiles_safe": {"backward": "tiles", "filter_eps": "safe"},
