@@ -23,6 +23,7 @@ from .checks import (  # noqa: F401
     check_target_range,
     class_ids,
     resolve_impl,
+    start_target_check,
     validate,
 )
 from .options import LCEOptions
@@ -48,6 +49,7 @@ def linear_cross_entropy(
     deterministic: bool = False,
     round_logits: bool = False,
     recompute_logits: bool = True,
+    fp32_weight_grad: bool = True,
     chunk_by: str = "vocab",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
@@ -86,6 +88,9 @@ def linear_cross_entropy(
         recompute_logits: cce: False keeps the logits (as 16-bit exponentials, N x V) from the
             forward so the backward skips recomputing them: faster, at a bf16 logits tensor's
             memory.
+        fp32_weight_grad: cce, gradient-in-forward backward: sum the weight gradient over
+            token chunks in fp32 (False: in the weight's dtype, one rounding a chunk, as Liger
+            does, so a tight ``scratch_mb`` needs no fp32 accumulator).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
@@ -116,6 +121,7 @@ def linear_cross_entropy(
         deterministic=deterministic,
         round_logits=round_logits,
         recompute_logits=recompute_logits,
+        fp32_weight_grad=fp32_weight_grad,
         impl=impl,
         chunk_by=chunk_by,
         vocab_chunk_size=vocab_chunk_size,
@@ -158,18 +164,25 @@ class LinearCrossEntropy(nn.Module):
 
 def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
               loss_mask: torch.Tensor | None = None):
-    validate(input, weight, target, bias, opts, check_targets)
+    validate(input, weight, target, bias, opts, check_targets=False)
     check_loss_mask(loss_mask, target, opts.reduction)
+    impl = resolve_impl(opts, input.device, input.dtype)
+    n_classes = weight.shape[0] if opts.num_classes is None else opts.num_classes
+    # The cce impl reads the target check's verdict once its first GEMM is queued.
+    defer_check = check_targets and impl == "cce"
+    if check_targets and not defer_check:
+        check_target_range(target, opts.ignore_index, n_classes)
     batch_shape = target.shape
     # Not reshape(-1, D): with D = 0 the -1 is ambiguous.
     hidden = input.reshape(math.prod(batch_shape), input.shape[-1])
     flat_target = class_ids(target).reshape(-1)
-    impl = resolve_impl(opts, input.device, input.dtype)
     if impl == "cce" and hidden.shape[0] > 0:
         from .function import cce_linear_cross_entropy
 
+        target_check = (start_target_check(flat_target, opts.ignore_index, n_classes)
+                        if defer_check else None)
         loss, lse = cce_linear_cross_entropy(hidden, weight, flat_target, bias, opts,
-                                             loss_mask=loss_mask)
+                                             loss_mask=loss_mask, target_check=target_check)
     elif impl == "chunked" and hidden.shape[0] > 0:
         from .chunked import chunked_linear_cross_entropy
 

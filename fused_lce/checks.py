@@ -122,6 +122,49 @@ def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) 
         )
 
 
+class PendingTargetCheck:
+    """The target range check of a CUDA call, queued on the device now and read later.
+
+    ``check_target_range`` drains the GPU's queue: the host waits for everything queued before
+    it, and the GPU then idles until the host queues the op's first kernel. Read instead once
+    the op has queued a kernel that does not read the targets (the first chunk's logit GEMM),
+    the host waits for the check alone while the GPU runs that kernel. ``wait`` raises the same
+    error, before the op forms any result from the targets. (The kernels mask every target they
+    read against the shard's columns, so a bad one never addresses memory.)
+    """
+
+    def __init__(self, target: torch.Tensor, ignore_index: int, n_classes: int):
+        target = class_ids(target)
+        self._range = (target, ignore_index, n_classes)
+        bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+        self._any_bad = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._any_bad.copy_(bad.any(), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def wait(self) -> None:
+        """Raise if a target is out of range; a no-op once read."""
+        if self._range is None:
+            return
+        target, ignore_index, n_classes = self._range
+        self._range = None
+        self._copied.synchronize()
+        if bool(self._any_bad):
+            check_target_range(target, ignore_index, n_classes)
+
+
+def start_target_check(
+    target: torch.Tensor, ignore_index: int, n_classes: int
+) -> PendingTargetCheck | None:
+    """A ``PendingTargetCheck`` for CUDA targets; elsewhere the check runs at once (None)."""
+    if target.numel() == 0:
+        return None
+    if not target.is_cuda:
+        check_target_range(target, ignore_index, n_classes)
+        return None
+    return PendingTargetCheck(target, ignore_index, n_classes)
+
+
 def class_ids(target: torch.Tensor) -> torch.Tensor:
     """``target`` as int32 or int64 class ids (the narrower types widened to int64)."""
     if target.dtype in (torch.int32, torch.int64):

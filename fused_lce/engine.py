@@ -96,6 +96,7 @@ class ShardCall:
     reducer: Any = LOCAL  # a ShardReducer
     weight_grad_accumulator: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
+    target_check: Any = None  # a checks.PendingTargetCheck, read before the targets are used
     caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
 
 
@@ -171,6 +172,9 @@ class EmptyGradientChunks:
     def __init__(self, inputs: ShardInputs, needs, d_hidden_dtype):
         self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
 
+    def compute_logits(self, rows: slice) -> None:
+        pass
+
     def statistics(self, rows: slice) -> ShardStatistics:
         n_rows = len(range(*rows.indices(self.inputs.hidden.shape[0])))
         return _empty_statistics(self.inputs, n_rows)
@@ -243,19 +247,17 @@ class LCEFunction(torch.autograd.Function):
         n_valid = valid.sum()
         needs = tuple(ctx.needs_input_grad[:3])
         plan = _forward_grad_plan(call, hidden, weight, needs)
-        ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
+        ctx.state, ctx.forward_grads = None, None
         if plan is None:
+            _read_target_check(call)
             ctx.state, stats = strategy.statistics(inputs)
-            stats = global_statistics(stats, call.reducer)
+            lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
         else:
-            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
-            stats, ctx.forward_grads = _gradients_in_forward(
-                strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
+            (lse, nll, row_sum), ctx.forward_grads = _gradients_in_forward(
+                strategy, inputs, call, plan, needs, _partial_dtype(call, input), valid, n_valid
             )
 
-        lse = stats.row_max + torch.log(stats.sum_exp)
-        nll = target_nll(stats.row_max, stats.sum_exp, stats.target_logit)
-        loss = token_loss(nll, lse, stats.row_sum, call.num_classes, opts)
+        loss = token_loss(nll, lse, row_sum, call.num_classes, opts)
         zero = torch.zeros_like(loss)
         loss = torch.where(valid, loss, zero)
         lse = torch.where(valid, lse, zero)
@@ -280,7 +282,8 @@ class LCEFunction(torch.autograd.Function):
         valid = target != opts.ignore_index
         if ctx.forward_grads is not None:
             grads, ctx.forward_grads = ctx.forward_grads, None
-            scale = upstream_scale(grad_loss, grad_lse, ctx.assumed, valid, opts.reduction)
+            assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
+            scale = upstream_scale(grad_loss, grad_lse, assumed, valid, opts.reduction)
             if call.reducer.world_size > 1 and opts.reduction == "none":
                 # Every rank must take the same path (the two differ in their collectives), and
                 # this verdict is the one that depends on data (whether the lse carries a
@@ -342,25 +345,42 @@ def _forward_grad_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPla
     )
 
 
+def _lse_nll(stats: ShardStatistics):
+    """(lse, nll, row_sum) per token from the global statistics."""
+    lse = stats.row_max + torch.log(stats.sum_exp)
+    return lse, target_nll(stats.row_max, stats.sum_exp, stats.target_logit), stats.row_sum
+
+
 def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
-                          d_hidden_dtype, assumed):
-    """(global statistics, (d_hidden, d_weight, d_bias) for an upstream gradient of 1), token
-    chunk by token chunk: fused_lce/forward_grad.py."""
+                          d_hidden_dtype, valid, n_valid):
+    """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for an upstream gradient of 1), token
+    chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only what the loss
+    needs (beside the chunk buffer, that is what bounds a tight budget)."""
     n_rows = inputs.hidden.shape[0]
+    opts, loss_mask = call.opts, call.loss_mask
     chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
-    parts = []
+    kept = None
     for start in range(0, n_rows, plan.chunk_rows):
         rows = slice(start, min(n_rows, start + plan.chunk_rows))
-        stats = global_statistics(chunks.statistics(rows), call.reducer)
-        lse = stats.row_max + torch.log(stats.sum_exp)
-        nll = target_nll(stats.row_max, stats.sum_exp, stats.target_logit)
-        coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, call.opts)
+        chunks.compute_logits(rows)
+        # The host waits for the check while the GPU computes the first chunk's logits.
+        _read_target_check(call)
+        lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))
+        assumed = assumed_token_grad(valid[rows], n_valid, opts.reduction,
+                                     None if loss_mask is None else loss_mask[rows])
+        coefs = grad_coefficients(assumed, lse, nll, None, call.num_classes, opts)
         chunks.gradients(rows, lse, coefs)
-        parts.append(stats)
-    stats = ShardStatistics(*(
-        None if field[0] is None else torch.cat(field) for field in zip(*parts)
-    ))
-    return stats, chunks.finish()
+        if kept is None:
+            kept = tuple(None if x is None else x.new_empty(n_rows) for x in (lse, nll, row_sum))
+        for whole, part in zip(kept, (lse, nll, row_sum)):
+            if whole is not None:
+                whole[rows] = part
+    return kept, chunks.finish()
+
+
+def _read_target_check(call: ShardCall) -> None:
+    if call.target_check is not None:
+        call.target_check.wait()
 
 
 def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):

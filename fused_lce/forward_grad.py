@@ -40,7 +40,8 @@ DEFAULT_CHUNK_BYTES = 2 * 2**30
 # a 4096-row one): a tighter budget then takes the recompute backward instead.
 MIN_CHUNK_ROWS = 1024
 # With more token chunks than this, the weight gradient accumulates in fp32 (V x D x 4 bytes);
-# up to it, in its own dtype (one extra rounding, as for a second micro-batch).
+# up to it, in its own dtype (one extra rounding, as for a second micro-batch). With
+# fp32_weight_grad=False always in its own dtype, one rounding a chunk.
 MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR = 2
 # Chunks are whole multiples of this many rows (the GEMMs' tile height, twice over).
 TILE_ROWS = 256
@@ -80,9 +81,10 @@ def plan_forward_gradients(
         half = -(-n_rows // 2 // TILE_ROWS) * TILE_ROWS
         cap = DEFAULT_CHUNK_BYTES // row_bytes // TILE_ROWS * TILE_ROWS
         rows = max(min(n_rows, max(MIN_CHUNK_ROWS, half), cap), min(n_rows, MIN_CHUNK_ROWS))
+    accumulates = wants_weight_grad and opts.fp32_weight_grad
     if opts.scratch_explicit and not opts.token_chunk_explicit:
         rows = min(rows, _tile_rows(opts.scratch_bytes // row_bytes))
-        if wants_weight_grad and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR:
+        if accumulates and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR:
             # Past two chunks the fp32 accumulator comes out of the same budget.
             left = max(opts.scratch_bytes - weight_rows * d_model * 4, 0)
             rows = min(rows, _tile_rows(left // row_bytes))
@@ -94,7 +96,7 @@ def plan_forward_gradients(
                     "scratch_mb or use backward='auto'"
                 )
             return None
-    accumulate = wants_weight_grad and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
+    accumulate = accumulates and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
     return ForwardGradPlan(chunk_rows=rows, fp32_weight_accumulator=accumulate)
 
 

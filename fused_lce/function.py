@@ -227,9 +227,7 @@ class TritonGradientChunks:
         hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
         self.inputs, self.plan = inputs, plan
         self.bias = _unit_stride(bias)
-        valid = inputs.target != inputs.opts.ignore_index
-        self.target_local = local_targets(inputs.target, valid, inputs.vocab_start,
-                                          weight.shape[0])
+        self.chunk_targets = None  # the current chunk's, as columns of this shard
         device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
         # Under Triton's interpreter (which truncates rather than rounds to 16 bits) the buffer
         # is fp32 holding torch-rounded 16-bit logits, and torch rounds G: the GPU's numerics.
@@ -248,17 +246,26 @@ class TritonGradientChunks:
                        if want_bias and bias is not None else None)
         self.first_chunk = True
 
-    def statistics(self, rows: slice) -> ShardStatistics:
-        """The chunk's statistics; its logits stay in the buffer for ``gradients``."""
+    def compute_logits(self, rows: slice) -> None:
+        """The chunk's logits into the buffer (reads no target)."""
         hidden, weight = self.inputs.hidden[rows], self.inputs.weight
         logits = self.buffer[: hidden.shape[0]]
         if self.emulate_16bit:
             logits.copy_(hidden @ weight.t())
         else:
             torch.mm(hidden, weight.t(), out=logits)
-        opts = self.inputs.opts
+
+    def statistics(self, rows: slice) -> ShardStatistics:
+        """The statistics of the chunk whose logits ``compute_logits`` left in the buffer, which
+        keeps them for ``gradients``."""
+        inputs = self.inputs
+        target = inputs.target[rows]
+        self.chunk_targets = local_targets(target, target != inputs.opts.ignore_index,
+                                           inputs.vocab_start, inputs.weight.shape[0])
+        logits = self.buffer[: target.shape[0]]
         row_max, sum_exp, target_logit, row_sum = row_statistics(
-            logits, self.bias, self.target_local[rows], opts.softcap, opts.label_smoothing > 0
+            logits, self.bias, self.chunk_targets, inputs.opts.softcap,
+            inputs.opts.label_smoothing > 0
         )
         return ShardStatistics(row_max, sum_exp, row_sum, target_logit)
 
@@ -266,7 +273,7 @@ class TritonGradientChunks:
         """G over the chunk's logits, then its share of every gradient."""
         hidden, weight = self.inputs.hidden[rows], self.inputs.weight
         logits = self.buffer[: hidden.shape[0]]
-        grad = grad_in_place(logits, self.bias, self.target_local[rows], lse, coefs,
+        grad = grad_in_place(logits, self.bias, self.chunk_targets, lse, coefs,
                              self.inputs.opts.softcap)
         if self.emulate_16bit:
             grad = grad.to(hidden.dtype)
@@ -309,13 +316,16 @@ def cce_linear_cross_entropy(
     bias: torch.Tensor | None,
     opts: LCEOptions,
     loss_mask: torch.Tensor | None = None,
+    target_check=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) through the Triton kernels. hidden (N, D), weight (V, D), target (N,)."""
+    """(loss, lse) through the Triton kernels. hidden (N, D), weight (V, D), target (N,);
+    ``target_check``: a checks.PendingTargetCheck to read before the targets are."""
     if opts.num_classes is not None:
         weight = weight[: opts.num_classes]
         bias = None if bias is None else bias[: opts.num_classes]
     opts = without_backward_options(opts, hidden, weight, bias)
     n_classes = weight.shape[0]
     call = ShardCall(opts, "cce", vocab_start=0, local_classes=n_classes, num_classes=n_classes,
-                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1))
+                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
+                     target_check=target_check)
     return LCEFunction.apply(hidden, weight, bias, target, call)

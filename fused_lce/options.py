@@ -133,6 +133,12 @@ class LCEOptions:
     skips recomputing them: one GEMM of the four fewer, at the memory of a bf16 logits tensor,
     held from the forward to the backward. Faster where the GEMMs dominate (large D); it gives
     up the memory saving that is the point of the op. The chunked and torch impls ignore it."""
+    fp32_weight_grad: bool = True
+    """cce, gradient-in-forward backward: sum the weight gradient over more than two token
+    chunks in an fp32 (V_local, D) accumulator, rounded once. False rounds the running sum to
+    the weight's dtype after each chunk (as Liger's fused loss does, and a bf16 gradient summed
+    over micro-batches): no accumulator, so a tight ``scratch_mb`` keeps the three-GEMM backward
+    with chunks of at least 1024 tokens, where the accumulator would not fit."""
     deterministic: bool = False
     """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
     backward then recomputes logits twice, once for each gradient)."""
@@ -206,7 +212,8 @@ class LCEOptions:
                     raise TypeError(f"{name} must be a positive int or None, got {value!r}")
                 if value <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
-        for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits"):
+        for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits",
+                     "fp32_weight_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.recompute_logits and self.backward in ("tiles", "forward"):

@@ -48,7 +48,7 @@ CCE_CHOICES = ("cce", "linear")
 _PATCHED = "_fused_lce_patched"
 _OPTION_NAMES = ("softcap", "z_loss", "label_smoothing", "impl", "backward", "filter_eps",
                  "scratch_mb", "deterministic", "round_logits", "recompute_logits",
-                 "vocab_size")
+                 "fp32_weight_grad", "vocab_size")
 
 
 @dataclass
@@ -243,7 +243,8 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
             is (the Megatron-LM plugin route).
         options: passed to the op, each an ``LCEOptions`` field of the same name: ``softcap``,
             ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
-            ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``; and
+            ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``,
+            ``fp32_weight_grad``; and
             ``vocab_size`` (the true vocabulary size when Megatron pads it; default: every row of
             the output weight is a class, as in Megatron's own loss).
         options_from: instead of ``options``, a function returning them, called at the first

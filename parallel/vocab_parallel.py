@@ -66,6 +66,7 @@ def vocab_parallel_linear_cross_entropy(
     deterministic: bool = False,
     round_logits: bool = False,
     recompute_logits: bool = True,
+    fp32_weight_grad: bool = True,
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
@@ -119,7 +120,8 @@ def vocab_parallel_linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
         vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
-        recompute_logits=recompute_logits, vocab_chunk_size=vocab_chunk_size,
+        recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
+        vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size, scratch_mb=scratch_mb, tma=tma,
     )
     # Every check that could fail on one rank only runs before the ranks' one agreement

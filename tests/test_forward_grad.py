@@ -67,6 +67,16 @@ def test_two_chunks_sum_the_weight_gradient_in_its_dtype(dtype, walks, recompute
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_chunks_without_fp32_weight_grad_round_per_chunk(dtype, walks, recomputes):
+    # Six chunks summed in the weight's dtype: one rounding a chunk, inside the bound still
+    # (the bound is twice torch's own error; six bf16 roundings of a sum stay below it here).
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "near-uniform", seed=6)
+    compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=8,
+                         fp32_weight_grad=False)
+    assert walks == [ForwardGradPlan(8, False)] and not recomputes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_none_with_its_loss_mask_keeps_the_forward_gradients(dtype, walks, recomputes):
     hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2, seed=7)
     mask = (torch.arange(N) % 3 != 0).to(dtype)
@@ -179,6 +189,17 @@ def test_explicit_budgets():
     with pytest.raises(ValueError, match="backward='forward' needs at least 1024 tokens"):
         _plan(8192, scratch_mb=12.0, backward="forward")
     assert MIN_CHUNK_ROWS == 1024
+
+
+def test_without_fp32_weight_grad_a_tight_budget_keeps_the_forward_mode():
+    # Phi-3.5 (V = 32064, D = 3072): 64 MiB holds 1046 rows, 1024 in whole tiles, as Liger's
+    # chunk; with the fp32 accumulator (376 MiB) the budget is too small for the forward mode.
+    assert _plan(8192, v=32064, d=3072, scratch_mb=64.0) is None
+    assert _plan(8192, v=32064, d=3072, scratch_mb=64.0,
+                 fp32_weight_grad=False) == ForwardGradPlan(1024, False)
+    assert _plan(65536, fp32_weight_grad=False) == ForwardGradPlan(4096, False)
+    # Below 1024 rows the recompute backward still takes over.
+    assert _plan(8192, scratch_mb=12.0, fp32_weight_grad=False) is None
 
 
 def test_plan_reads_the_scratch_budget_from_the_environment(monkeypatch):

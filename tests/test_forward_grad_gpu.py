@@ -23,6 +23,7 @@ CASES = {
                                     z_loss=1e-4),
     "two-chunks": dict(token_chunk_size=1400),
     "five-chunks-fp32-acc": dict(token_chunk_size=512),
+    "five-chunks-own-dtype": dict(token_chunk_size=512, fp32_weight_grad=False),
     "none-recompute": dict(reduction="none"),
     "lse-recompute": dict(return_lse=True),
 }
@@ -63,3 +64,19 @@ def test_masked_none_loss_keeps_the_forward_gradients(dtype, walks, recwarn):
         err = (ours.double().cpu() - ref).abs().max() / scale
         base_err = (base.double().cpu() - ref).abs().max() / scale
         assert err <= 2 * base_err + 1e-5
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["walk", "no-grad"])
+@pytest.mark.parametrize("bad", [20011, -3])
+def test_out_of_range_targets_raise(grad, bad):
+    """The target check, read once the first GEMM is queued, still raises the same error."""
+    n, v, d = 1500, 20011, 257
+    hidden, weight, target, _ = make_problem(n, v, d, torch.bfloat16, "peaked", seed=4)
+    hidden, weight, target = hidden.cuda(), weight.cuda(), target.cuda()
+    target[n // 2] = bad
+    hidden.requires_grad_(grad)
+    with pytest.raises(ValueError, match=f"target holds class {bad}, outside \\[0, {v}\\)"):
+        linear_cross_entropy(hidden, weight, target, impl="cce")
+    target[n // 2] = -100  # ignore_index passes, and the op still runs after the error
+    loss = linear_cross_entropy(hidden, weight, target, impl="cce")
+    assert torch.isfinite(loss)
