@@ -15,7 +15,7 @@ from helpers_parallel import run_on_ranks
 from fused_lce import engine, linear_cross_entropy
 from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
-N, V, D = 30, 97, 16  # V = 97 over 2 or 3 ranks: uneven shards
+N, V, D = 36, 97, 16  # V = 97 over 2, 3 or 4 ranks: uneven shards; N splits for SP
 
 
 def _problem(dtype):
@@ -74,7 +74,7 @@ def _suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_shards_walk_together_and_match_fp64(world, sequence_parallel, tmp_path):
     run_on_ranks(world, _suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
