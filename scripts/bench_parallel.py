@@ -20,19 +20,29 @@ per GPU), so every GPU works during every measurement.
 
 Providers:
 - ``ours``: ``fused_lce.parallel.vocab_parallel_linear_cross_entropy`` (``--impl``, default
-  "cce"): per-shard statistics without logits, one all-reduce MAX and one packed SUM, the
-  backward recomputing each shard's logits. Called as the megatron adapter calls it: the even
-  shard layout given and no target range check (no device sync; the per-call agreement of
-  the ranks is one small all-gather on the host, parallel/agreement.py).
+  "cce"), its default: the gradients computed in the forward, a token chunk of each shard's
+  logits at a time (one all-reduce MAX and one packed SUM of the chunk's statistics), three
+  GEMMs; the backward only scales and reduces the input gradient. Called as the megatron
+  adapter calls it: the even shard layout given and no target range check (no device sync; the
+  per-call agreement of the ranks is one small all-gather on the host, parallel/agreement.py).
+- ``ours-gemm``: the same with ``backward="gemm"``: statistics in the forward, each shard's
+  logits recomputed in the backward (four GEMMs; the default before 2026-11-23).
 - ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
 - ``ours-kept``: the same with ``recompute_logits=False``: the forward keeps each shard's logits
   as 16-bit exponentials (N x V_local x 2 bytes) and the backward does not recompute them.
 - ``collectives``: only our layer's collectives, with its sizes and dtypes and no compute (TP > 1):
   the most that overlapping them with compute could save.
-- ``megatron`` (when megatron-core is installed): what ColumnParallelLinear followed by
-  megatron's loss does: the input enters through ``copy_to_tensor_model_parallel_region``
-  (backward: all-reduce of its gradient) or, with SP, ``gather_from_sequence_parallel_region``
-  (all-gather in, reduce-scatter out); logits = hidden @ weight_shard.T in bf16; then
+- ``megatron-fused`` (when megatron-core is installed): megatron's fastest loss, what
+  ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native`` runs: the input enters as
+  for ``megatron`` below, logits = hidden @ weight_shard.T stay in bf16, then
+  ``fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy`` over the TP group. A
+  softcap, which megatron-core does not have, is applied to the bf16 logits: compare with
+  ``--no-softcap``.
+- ``megatron`` (when megatron-core is installed): megatron's unfused loss, what
+  ColumnParallelLinear followed by its default loss does: the input enters through
+  ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of its gradient) or, with SP,
+  ``gather_from_sequence_parallel_region`` (all-gather in, reduce-scatter out); logits =
+  hidden @ weight_shard.T in bf16; then
   ``tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)`` after
   ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)``.
 - ``torch-logits-vp``: the same algorithm written here with torch.distributed: full per-rank
@@ -73,7 +83,8 @@ from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
 from lce_train.configs import known_models, load_model_config  # noqa: E402
 
 MIB = 2**20
-PROVIDERS = ("ours", "ours-lean", "ours-kept", "megatron", "torch-logits-vp", "collectives")
+PROVIDERS = ("ours", "ours-gemm", "ours-lean", "ours-kept", "megatron-fused", "megatron",
+             "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
 SMOKE_SHAPE = (48, 32, 1003)
 
@@ -185,6 +196,26 @@ def megatron_loss(hidden, weight, target, *, sp, softcap):
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
     logits = _capped_fp32_logits(hidden, weight, softcap)
     return tensor_parallel.vocab_parallel_cross_entropy(logits, target).mean()
+
+
+def megatron_fused_loss(hidden, weight, target, *, sp, softcap):
+    """Megatron-core's fused loss on bf16 logits (``--cross-entropy-loss-fusion``)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    if sp:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True
+        )
+    else:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    logits = hidden @ weight.t()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    group = parallel_state.get_tensor_model_parallel_group()
+    # Megatron's layout: [sequence, batch, vocab shard]; one sequence of every token here.
+    return fused_vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1),
+                                              group).mean()
 
 
 def megatron_available() -> bool:
@@ -354,11 +385,16 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     table = {}
     if "ours" in names:
         table["ours"] = ours()
+    if "ours-gemm" in names:
+        table["ours-gemm"] = ours(backward="gemm")
     if "ours-lean" in names:
         table["ours-lean"] = ours(scratch_mb=LEAN_SCRATCH_MB)
     if "ours-kept" in names:
         table["ours-kept"] = ours(recompute_logits=False)
     # Megatron's sequence-parallel all-gather allocates on CUDA: no SP for it in --cpu-smoke.
+    if "megatron-fused" in names and megatron_available() and not (sp and args.cpu_smoke):
+        table["megatron-fused"] = lambda h, w, t: megatron_fused_loss(h, w, t, sp=sp,
+                                                                      softcap=softcap)
     if "megatron" in names and megatron_available() and not (sp and args.cpu_smoke):
         table["megatron"] = lambda h, w, t: megatron_loss(h, w, t, sp=sp, softcap=softcap)
     if "torch-logits-vp" in names:
@@ -473,10 +509,12 @@ def main(argv=None) -> None:
         sys.exit(f"TP sizes {bad} do not divide the world size {world}")
     dtype = getattr(torch, args.dtype)
     names = list(args.providers)
-    if "megatron" in names and not megatron_available():
+    megatron_names = [n for n in names if n in ("megatron", "megatron-fused")]
+    if megatron_names and not megatron_available():
         if rank == 0:
-            print("# megatron-core not installed: provider 'megatron' skipped")
-        names.remove("megatron")
+            print(f"# megatron-core not installed: {', '.join(megatron_names)} skipped")
+        names = [n for n in names if n not in megatron_names]
+        megatron_names = []
 
     if rank == 0:
         import triton
@@ -489,7 +527,7 @@ def main(argv=None) -> None:
     for tp in tp_sizes:
         group = tp_group(tp)
         tp_rank = dist.get_rank(group)
-        if "megatron" in names:
+        if megatron_names:
             megatron_init(tp)
         for model in args.models:
             cfg = load_model_config(model)
@@ -539,7 +577,7 @@ def main(argv=None) -> None:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        if "megatron" in names:
+        if megatron_names:
             megatron_destroy()
         dist.barrier()
 

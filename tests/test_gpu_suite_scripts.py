@@ -40,16 +40,20 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 def test_bench_parallel_providers_on_cpu(tmp_path):
     out = tmp_path / "bench.csv"
     _torchrun(str(SCRIPTS / "bench_parallel.py"), "--cpu-smoke", "--models", "gemma2_2b",
-              "--providers", "ours", "ours-lean", "collectives", "--iters", "1", "--warmup", "0",
-              "--out", str(out))
+              "--providers", "ours", "ours-gemm", "ours-lean", "megatron-fused", "collectives",
+              "--iters", "1", "--warmup", "0", "--out", str(out))
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
     by = {(r["provider"], r["tp"], r["sp"]): r for r in rows}
-    assert set(by) == {("ours", "1", "off"), ("ours-lean", "1", "off"),
-                       ("ours", "2", "off"), ("ours-lean", "2", "off"), ("collectives", "2", "off"),
-                       ("ours", "2", "on"), ("ours-lean", "2", "on"), ("collectives", "2", "on")}
-    losses = {float(r["loss"]) for r in rows if r["provider"] != "collectives"}
-    assert max(losses) - min(losses) < 1e-5  # every layout and mode computes the same loss
+    ours = ("ours", "ours-gemm", "ours-lean")
+    # megatron's sequence-parallel all-gather allocates on CUDA: no SP for it in --cpu-smoke.
+    assert set(by) == ({(p, tp, "off") for p in (*ours, "megatron-fused") for tp in "12"}
+                       | {(p, "2", "on") for p in ours}
+                       | {("collectives", "2", "off"), ("collectives", "2", "on")})
+    # Every layout and mode computes the same loss, and megatron's fused loss too, up to the
+    # rounding of bf16 logits (the default mode's are the GEMM's 16-bit output, gemm's are fp32).
+    losses = [float(r["loss"]) for r in rows if r["provider"] != "collectives"]
+    assert max(losses) - min(losses) < 1e-4 * max(losses)
     assert all(math.isnan(float(r["loss"])) and float(r["fwd_bwd_ms"]) > 0
                for r in rows if r["provider"] == "collectives")
 
