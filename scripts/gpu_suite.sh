@@ -13,13 +13,22 @@
 #   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py, TP=2 edge cases in
 #                tests/test_parallel_reliability_gpu.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
-#   bench        scripts/bench_parallel.py: TP 1, 2, 4, SP off/on, ours, ours-lean, megatron and
-#                the collectives alone, at the Gemma-2 2B and Llama-3 8B shapes
+#   bench        scripts/bench_parallel.py: TP 1, 2, 4, SP off/on, ours (default, gemm, lean),
+#                megatron's fused and unfused losses and the collectives alone, at the Gemma-2 2B
+#                and Llama-3 8B shapes, without softcap (megatron-core has none)
 #   pp-gemma     scripts/pp_memory_balance.py --measure, Gemma-2 2B width, 8 layers, TP2 x PP2
 #   pp-llama     the same, Llama-3 8B width, 8 layers, PP4
-#   megatron     the launcher on configs/models/gemma2_like.yaml, cce and native, TP4 and
-#                TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
-#   max-mbs      scripts/max_micro_batch.py, cce and native, TP4, sequence 4096
+#   megatron     the launcher on configs/models/$CONFIG.yaml (default gemma2_like; llama3_like
+#                is Llama-3's width), cce, native and native-fused (--cross-entropy-loss-fusion),
+#                TP4 and TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
+#   max-mbs      scripts/max_micro_batch.py, cce, native and native-fused, TP = NGPU, sequence 4096
+#
+# Issue 17's multi-GPU targets on 2 x H200 (nvidia-h200-x2), every stage bounded, about 25 min:
+#
+#     NGPU=2 bash scripts/gpu_suite.sh $OUT/s setup tests bench
+#     NGPU=2 STEPS=30 LAUNCH_FLAGS="--local-attention sdpa --sequence-parallel" \
+#         bash scripts/gpu_suite.sh $OUT/s megatron max-mbs              # gemma2_like
+#     NGPU=2 STEPS=30 CONFIG=llama3_like LAUNCH_FLAGS="..." bash scripts/gpu_suite.sh $OUT/l megatron max-mbs
 #
 # LAUNCH_FLAGS adds launcher flags to the megatron and max-mbs stages (e.g. "--local-attention
 # sdpa --sequence-parallel"). Each stage writes its logs under RESULTS_DIR and is bounded by `timeout`, so one stage that
@@ -32,7 +41,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the carried wheels (stage setup)
 steps=${STEPS:-200}
 ngpu=${NGPU:-4}
-model=(--config gemma2_like)
+model=(--config "${CONFIG:-gemma2_like}")
 if [[ $ngpu == 2 ]]; then
     bench_tp=(1 2); layouts=("tp2:2:1")
 elif [[ $ngpu == 8 ]]; then
@@ -63,6 +72,13 @@ launcher() {  # launcher NAME NPROC FLAGS...: one scripts/pretrain_gpt.py run
         --log-json "$results/$name.jsonl" "${data[@]}" ${LAUNCH_FLAGS:-} "$@"
 }
 
+loss_flags() {  # loss_flags IMPL: the launcher flags of cce, native or native-fused
+    case $1 in
+    native-fused) echo "--cross-entropy-fusion-impl native --cross-entropy-loss-fusion" ;;
+    *) echo "--cross-entropy-fusion-impl $1" ;;
+    esac
+}
+
 for stage in "$@"; do
     case $stage in
     setup)
@@ -80,8 +96,8 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
     bench)
         run bench_parallel 300 torchrun --nproc-per-node "$ngpu" scripts/bench_parallel.py \
             --models gemma2_2b llama3_8b --tokens 8192 --tp "${bench_tp[@]}" --sp off on \
-            --providers ours ours-lean megatron collectives --iters 10 --warmup 3 \
-            --out "$results/bench_parallel.csv"
+            --providers ours ours-gemm ours-lean megatron-fused megatron collectives \
+            --no-softcap --iters 10 --warmup 3 --out "$results/bench_parallel.csv"
         ;;
     pp-gemma)
         run pp_gemma 300 python3 scripts/pp_memory_balance.py --config gemma2_2b --num-layers 8 \
@@ -96,20 +112,20 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             --csv "$results/pp_llama.csv" --png "$results/pp_llama.png"
         ;;
     megatron)
-        for impl in cce native; do
+        for impl in cce native native-fused; do
             for layout in "${layouts[@]}"; do
                 IFS=: read -r name tp pp <<< "$layout"
                 launcher "megatron_${name}_$impl" "$ngpu" --tensor-model-parallel-size "$tp" \
-                    --pipeline-model-parallel-size "$pp" --cross-entropy-fusion-impl "$impl"
+                    --pipeline-model-parallel-size "$pp" $(loss_flags "$impl")
             done
         done
         ;;
     max-mbs)
-        for impl in cce native; do
+        for impl in cce native native-fused; do
             run "max_mbs_$impl" 240 torchrun --nproc-per-node "$ngpu" --master-port 29512 \
                 scripts/max_micro_batch.py "${model[@]}" --bf16 \
                 --tensor-model-parallel-size "$ngpu" --seq-length 4096 \
-                --cross-entropy-fusion-impl "$impl" --out "$results/max_mbs_$impl.json" \
+                $(loss_flags "$impl") --out "$results/max_mbs_$impl.json" \
                 ${LAUNCH_FLAGS:-}
         done
         ;;
