@@ -20,6 +20,7 @@ import torch
 from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
+    mismatch_found,
     plan_forward_gradients,
     upstream_scale,
     warn_recompute,
@@ -283,13 +284,14 @@ class LCEFunction(torch.autograd.Function):
         if ctx.forward_grads is not None:
             grads, ctx.forward_grads = ctx.forward_grads, None
             assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
-            scale = upstream_scale(grad_loss, grad_lse, assumed, valid, opts.reduction)
-            if call.reducer.world_size > 1 and opts.reduction == "none":
-                # Every rank must take the same path (the two differ in their collectives), and
-                # this verdict is the one that depends on data (whether the lse carries a
-                # gradient is the same structure on every rank).
-                failed = torch.full((1,), float(scale is None), device=lse.device)
-                if bool(call.reducer.all_reduce_max_(failed)):
+            scale, mismatch = upstream_scale(grad_loss, grad_lse, assumed, valid,
+                                             opts.reduction)
+            if mismatch is not None:
+                # Every rank must take the same path (the two differ in their collectives): the
+                # ranks' verdicts are combined on the device and read once, one host sync.
+                if call.reducer.world_size > 1:
+                    mismatch = call.reducer.all_reduce_max_(mismatch)
+                if mismatch_found(mismatch):
                     scale = None
             if scale is not None:
                 return (*_scaled_gradients(ctx, grads, scale, input, weight, bias, needs),

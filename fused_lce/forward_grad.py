@@ -16,7 +16,7 @@ scalar? For "mean" and "sum" the upstream gradient of a scalar loss is one numbe
 the op assumes the per-token gradient is ``c * mask`` (``loss_mask``, default: every non-ignored
 token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward checks that
 assumption (one host sync) and, where it fails or the returned lse carries a gradient, recomputes
-the exact gradients the four-GEMM way (``upstream_scale`` returns None). Never a wrong result.
+the exact gradients the four-GEMM way. Never a wrong result.
 
 Memory: one chunk of logits, the stored dE (N x D, fp32 across vocab shards), the weight gradient
 (its own size) and, past two token chunks, an fp32 weight-gradient accumulator (V_local x D x 4)
@@ -129,25 +129,33 @@ def upstream_scale(
     assumed: torch.Tensor,
     valid: torch.Tensor,
     reduction: str,
-) -> torch.Tensor | None:
-    """c with (the actual upstream gradient) = c * (what the forward assumed), or None.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(c, mismatch): (the actual upstream gradient) = c * (what the forward assumed), unless
+    ``mismatch`` (a (1,) fp32 device tensor, nonzero where it fails) says otherwise.
 
-    None where the stored gradients do not apply: the lse carries a gradient, or a "none"
-    loss's per-token gradient is not proportional to ``assumed`` on its non-ignored tokens.
+    c is None where the stored gradients cannot apply whatever the data: the lse carries a
+    gradient. ``mismatch`` is None where nothing data-dependent is to check ("mean", "sum");
+    for "none" it says whether a non-ignored token's gradient is not proportional to
+    ``assumed``. Nothing here reads the device: the caller combines the ranks' verdicts and
+    reads the one that results (``mismatch_found``).
     """
     if grad_lse is not None or grad_loss is None:
-        return None
+        return None, None
     if reduction != "none":
-        return grad_loss.reshape(()).float()
+        return grad_loss.reshape(()).float(), None
     actual = grad_loss.reshape(-1).float()
     # c from the token the assumption weighs most; with a 0/1 mask it is that token's gradient.
     k = assumed.abs().argmax()
     c = torch.where(assumed[k] != 0, actual[k] / assumed[k], torch.zeros_like(actual[k]))
     expected = c * assumed
     close = (actual - expected).abs() <= expected.abs() * 2.0**-20
-    if not bool(torch.where(valid, close, True).all()):
-        return None
-    return c
+    mismatch = (~torch.where(valid, close, True)).any().float().reshape(1)
+    return c, mismatch
+
+
+def mismatch_found(mismatch: torch.Tensor) -> bool:
+    """The host's read of a (combined) verdict from ``upstream_scale``: one device sync."""
+    return bool(mismatch.item())
 
 
 def warn_recompute(where: str) -> None:
