@@ -356,8 +356,8 @@ def _lse_nll(stats: ShardStatistics):
 def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
                           d_hidden_dtype, valid, n_valid):
     """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for an upstream gradient of 1), token
-    chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only what the loss
-    needs (beside the chunk buffer, that is what bounds a tight budget)."""
+    chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only lse, nll and the
+    row sum: under a tight budget the chunk buffer and these are its memory."""
     n_rows = inputs.hidden.shape[0]
     opts, loss_mask = call.opts, call.loss_mask
     chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
