@@ -184,32 +184,31 @@ def torch_logits_vp_loss(hidden, weight, target, *, group, vocab_start, sp, soft
     return _LogitsVocabParallelCE.apply(logits, target, vocab_start, group).mean()
 
 
+def _megatron_input(hidden, sp: bool):
+    """The output layer's input as ColumnParallelLinear takes it in."""
+    from megatron.core import tensor_parallel
+
+    if sp:
+        return tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True
+        )
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+
+
 def megatron_loss(hidden, weight, target, *, sp, softcap):
     """Megatron-core's path; its parallel state must be initialised with this TP size."""
     from megatron.core import tensor_parallel
 
-    if sp:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=True
-        )
-    else:
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    logits = _capped_fp32_logits(hidden, weight, softcap)
+    logits = _capped_fp32_logits(_megatron_input(hidden, sp), weight, softcap)
     return tensor_parallel.vocab_parallel_cross_entropy(logits, target).mean()
 
 
 def megatron_fused_loss(hidden, weight, target, *, sp, softcap):
     """Megatron-core's fused loss on bf16 logits (``--cross-entropy-loss-fusion``)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
-    if sp:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=True
-        )
-    else:
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    logits = hidden @ weight.t()
+    logits = _megatron_input(hidden, sp) @ weight.t()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     group = parallel_state.get_tensor_model_parallel_group()
