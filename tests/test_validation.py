@@ -130,6 +130,8 @@ BAD_INPUTS = [
      r"round_logits must be a bool, got 'bf16'"),
     ("recompute-logits-not-bool", lambda p: {}, {"recompute_logits": 0}, TypeError,
      r"recompute_logits must be a bool, got 0"),
+    ("fp32-weight-grad-not-bool", lambda p: {}, {"fp32_weight_grad": "yes"}, TypeError,
+     r"fp32_weight_grad must be a bool, got 'yes'"),
     ("kept-logits-with-tiles", lambda p: {}, {"recompute_logits": False, "backward": "tiles"},
      ValueError, r"recompute_logits=False needs backward='gemm' or 'auto'"),
     ("deterministic-not-bool", lambda p: {}, {"deterministic": 1}, TypeError,
