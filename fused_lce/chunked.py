@@ -34,11 +34,13 @@ from __future__ import annotations
 import torch
 
 from .engine import ShardGradRequest, ShardInputs, ShardStatistics
+from .kernels.softmax_merge import merge_partials, softmax_shift
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
     grad_coefficients,
     refuse_double_backward,
+    refuse_function_transforms,
     target_nll,
     token_loss,
 )
@@ -248,11 +250,12 @@ def _reduce(loss: torch.Tensor, rows: torch.Tensor | None, n: int, reduction: st
 
 def _fold_into_lse_(z: torch.Tensor, run_max: torch.Tensor, run_sum: torch.Tensor) -> None:
     """Fold a chunk z (rows, cols) into the running max and sum of exp(z - max); overwrites z."""
-    new_max = torch.maximum(run_max, z.amax(dim=1))
-    # exp(-inf) = 0 clears the empty start (run_sum = 0, run_max = -inf).
-    run_sum.mul_(torch.exp(run_max - new_max))
-    run_sum.add_(z.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1))
+    chunk_max = z.amax(dim=1)
+    chunk_sum = z.sub_(softmax_shift(chunk_max).unsqueeze(1)).exp_().sum(dim=1)
+    new_max, new_sum = merge_partials(torch.stack((run_max, chunk_max)),
+                                      torch.stack((run_sum, chunk_sum)))
     run_max.copy_(new_max)
+    run_sum.copy_(new_sum)
 
 
 def vocab_statistics(
@@ -408,6 +411,7 @@ class _VocabChunkedLCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None):
         refuse_double_backward("linear_cross_entropy(impl='chunked')")
+        refuse_function_transforms("linear_cross_entropy(impl='chunked')", grad_loss, grad_lse)
         hidden, weight, bias, target, lse, nll, rows = ctx.saved_tensors
         opts: LCEOptions = ctx.opts
         needs = tuple(ctx.needs_input_grad[:3])

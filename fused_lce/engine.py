@@ -26,6 +26,7 @@ from .forward_grad import (
     warn_recompute,
 )
 from .kernels.scale import scale_unless_one_
+from .kernels.softmax_merge import softmax_shift
 from .options import LCEOptions
 from .terms import (
     GradCoefficients,
@@ -33,6 +34,7 @@ from .terms import (
     loss_gradient_per_token,
     reduce_tokens,
     refuse_double_backward,
+    refuse_function_transforms,
     target_nll,
     token_loss,
 )
@@ -208,14 +210,14 @@ def global_statistics(stats: ShardStatistics, reducer) -> ShardStatistics:
     """The statistics over every shard: one MAX for the shift, one SUM for what adds up."""
     if reducer.world_size == 1:
         return stats
-    global_max = reducer.all_reduce_max_(stats.row_max.clone())
-    finite_max = torch.where(torch.isfinite(global_max), global_max, 0.0)
-    packed = [stats.sum_exp * torch.exp(stats.row_max - finite_max), stats.target_logit]
+    # merge_partials across ranks: the MAX collective, then terms.softmax_shift's rule.
+    shift = softmax_shift(reducer.all_reduce_max_(stats.row_max.clone()))
+    packed = [stats.sum_exp * torch.exp(stats.row_max - shift), stats.target_logit]
     if stats.row_sum is not None:
         packed.append(stats.row_sum)
     packed = reducer.all_reduce_sum_(torch.stack(packed).float())
     row_sum = packed[2] if stats.row_sum is not None else None
-    return ShardStatistics(finite_max, packed[0], row_sum, packed[1])
+    return ShardStatistics(shift, packed[0], row_sum, packed[1])
 
 
 def _shard_inputs(hidden, weight, bias, target, call: ShardCall) -> ShardInputs:
@@ -275,6 +277,7 @@ class LCEFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         call: ShardCall = ctx.call
         refuse_double_backward(call.caller)
+        refuse_function_transforms(call.caller, grad_loss, grad_lse)
         input, weight, bias, target, lse, nll, n_valid = ctx.saved_tensors
         opts = call.opts
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])

@@ -26,6 +26,22 @@ def tanh(x):
 
 
 @triton.jit
+def fold_tile(logits, run_max, run_sum_exp):
+    """Fold a (rows, cols) tile of logits into each row's online max and sum of exp(z - max).
+
+    Returns (max, sum_exp, exp(logits - shift)). Masked entries must be -inf. The rule every
+    merge follows (kernels/softmax_merge.py is its torch twin): a row that has seen no
+    finite logit yet, as where a -inf bias masks whole tiles, is shifted by 0 rather than by its
+    max of -inf, so its sum stays exp(-inf) = 0 instead of exp(-inf - -inf) = NaN.
+    """
+    new_max = tl.maximum(run_max, tl.max(logits, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    scaled = tl.exp(logits - shift[:, None])
+    run_sum_exp = run_sum_exp * tl.exp(run_max - shift) + tl.sum(scaled, axis=1)
+    return new_max, run_sum_exp, scaled
+
+
+@triton.jit
 def logits_tile(
     e_ptr,
     c_ptr,

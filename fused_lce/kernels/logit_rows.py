@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .backward import grad_from_logits, load_row_terms
-from .common import INTERPRET, RowCoefficients, check_vector, tanh
+from .common import INTERPRET, RowCoefficients, check_vector, fold_tile, tanh
 
 
 @triton.jit
@@ -62,12 +62,7 @@ def _row_statistics_kernel(
                       other=0.0)
         logits = _capped_logits(raw, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
         logits = tl.where(in_tile, logits, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(logits, axis=1))
-        # Rows past n_rows keep a max of -inf: shift by 0 there, so nothing becomes NaN.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(logits - shift[:, None]),
-                                                             axis=1)
-        run_max = new_max
+        run_max, run_sum, _ = fold_tile(logits, run_max, run_sum)
         if WANT_ROW_SUM:
             row_sum += tl.sum(tl.where(in_tile, logits, 0.0), axis=1)
     # The target logit: one load per row, not a compare per logit (it keeps the loop above at

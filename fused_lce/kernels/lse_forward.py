@@ -41,6 +41,7 @@ from .common import (
     check_scalar,
     check_vector,
     dot_settings,
+    fold_tile,
     gpu_family,
     logits_tile,
     logits_tile_tma,
@@ -51,6 +52,7 @@ from .common import (
     tma_descriptor,
     use_tma,
 )
+from .softmax_merge import merge_partials
 
 
 @triton.jit
@@ -81,10 +83,8 @@ def _accumulate_tile(
         in_tile = row_mask & (target_in_tile >= 0) & (target_in_tile < BLOCK_V)
         tl.store(target_logit_ptr + rows, picked, mask=in_tile)
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-    scaled = tl.exp(logits - new_max[:, None])
-    row_sum_exp = row_sum_exp * tl.exp(row_max - new_max) + tl.sum(scaled, axis=1)
-    return new_max, row_sum_exp, row_sum, scaled
+    row_max, row_sum_exp, scaled = fold_tile(logits, row_max, row_sum_exp)
+    return row_max, row_sum_exp, row_sum, scaled
 
 
 @triton.heuristics(
@@ -173,8 +173,8 @@ def _lse_forward_kernel(
     row_sum_exp = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
-    # The launcher sizes splits so that each starts inside the vocabulary: every row sees a
-    # finite logit in its first tile, and later fully masked tiles add exp(-inf) = 0.
+    # Tiles with no finite logit (past the vocabulary, or masked by a -inf bias) add nothing:
+    # fold_tile's rule.
     v_start = pid_split * vocab_per_split
     for v_offset in range(0, vocab_per_split, BLOCK_V):
         cols = (v_start + v_offset + tl.arange(0, BLOCK_V)).to(tl.int64)
@@ -364,9 +364,7 @@ def lse_forward(
     if splits == 1:
         row_max, sum_exp = part_max[0], part_sum_exp[0]
     else:
-        row_max = part_max.max(dim=0).values
-        scale = torch.exp(part_max - row_max.clamp_min(torch.finfo(torch.float32).min))
-        sum_exp = (part_sum_exp * scale).sum(dim=0)
+        row_max, sum_exp = merge_partials(part_max, part_sum_exp)
     row_sum = None if part_row_sum is None else part_row_sum.sum(dim=0)
     return LSEStats(row_max, sum_exp, row_sum, col_sum, kept, target_logit)
 
