@@ -1,6 +1,6 @@
 """The per-token terms every implementation shares: the loss from statistics, its reduction, the
-coefficients of the logit gradient, and the backwards' refusal of second-order use. Pure torch
-on (N,) vectors; no kernels, no collectives.
+coefficients of the logit gradient, and the backwards' refusal of second-order use and of
+torch.func transforms. Pure torch on (N,) vectors; no kernels, no collectives.
 
 For a token with row maximum ``m``, shifted sum ``s = sum_v exp(z_v - m)``, ``lse = m + log s``,
 target logit ``z_y``, row sum of logits ``S`` over ``V`` classes and upstream loss gradient ``g``
@@ -129,3 +129,33 @@ def refuse_double_backward(where: str) -> None:
             "with create_graph=True (or under torch.autograd.grad(..., create_graph=True)). "
             "Use impl='torch' for higher-order derivatives."
         )
+
+
+def refuse_function_transforms(where: str, *tensors: torch.Tensor | None) -> None:
+    """Raise if a tensor comes from a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) or
+    is a batch of upstream gradients (``torch.autograd.grad(..., is_grads_batched=True)``).
+
+    The kernels read raw storage and the autograd Functions define no vmap rule, so such a call
+    would otherwise stop deep inside with an internal error ("Cannot access storage of
+    BatchedTensorImpl", "Batching rule not implemented for aten::item")."""
+    if any(t is not None and _is_transformed(t) for t in tensors):
+        raise RuntimeError(
+            f"{where} does not support torch.func transforms (vmap, grad, jacrev, jvp, ...) "
+            "nor batched gradients (torch.autograd.grad(..., is_grads_batched=True)): its "
+            "kernels and backward work on plain tensors. Use impl='torch' for these."
+        )
+
+
+def _functorch_probes() -> tuple:
+    """torch's predicates for a transform's wrapper (vmap, grad, ...) and for the batched
+    tensors of ``is_grads_batched``, where this torch has them (private API: none, no check)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    names = ("is_functorch_wrapped_tensor", "is_legacy_batchedtensor")
+    return tuple(probe for probe in (getattr(functorch, name, None) for name in names) if probe)
+
+
+_TRANSFORM_PROBES = _functorch_probes()
+
+
+def _is_transformed(tensor: torch.Tensor) -> bool:
+    return any(probe(tensor) for probe in _TRANSFORM_PROBES)
