@@ -250,14 +250,18 @@ class LCEFunction(torch.autograd.Function):
         n_valid = valid.sum()
         needs = tuple(ctx.needs_input_grad[:3])
         plan = _forward_grad_plan(call, hidden, weight, needs)
-        ctx.state, ctx.forward_grads = None, None
+        ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
         if plan is None:
             _read_target_check(call)
             ctx.state, stats = strategy.statistics(inputs)
             lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
         else:
+            # What the forward builds G with, kept for the backward's check: a copy, so a caller
+            # that edits loss_mask in place after the forward is still checked against what was
+            # assumed, and recomputed exactly where that no longer holds.
+            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
             (lse, nll, row_sum), ctx.forward_grads = _gradients_in_forward(
-                strategy, inputs, call, plan, needs, _partial_dtype(call, input), valid, n_valid
+                strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
             )
 
         loss = token_loss(nll, lse, row_sum, call.num_classes, opts)
@@ -286,8 +290,7 @@ class LCEFunction(torch.autograd.Function):
         valid = target != opts.ignore_index
         if ctx.forward_grads is not None:
             grads, ctx.forward_grads = ctx.forward_grads, None
-            assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
-            scale, mismatch = upstream_scale(grad_loss, grad_lse, assumed, valid,
+            scale, mismatch = upstream_scale(grad_loss, grad_lse, ctx.assumed, valid,
                                              opts.reduction)
             if mismatch is not None:
                 # Every rank must take the same path (the two differ in their collectives): the
@@ -357,12 +360,12 @@ def _lse_nll(stats: ShardStatistics):
 
 
 def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
-                          d_hidden_dtype, valid, n_valid):
-    """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for an upstream gradient of 1), token
-    chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only lse, nll and the
-    row sum: under a tight budget the chunk buffer and these are its memory."""
+                          d_hidden_dtype, assumed):
+    """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for the per-token upstream gradient
+    ``assumed``), token chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only
+    lse, nll and the row sum: under a tight budget the chunk buffer and these are its memory."""
     n_rows = inputs.hidden.shape[0]
-    opts, loss_mask = call.opts, call.loss_mask
+    opts = call.opts
     chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
     kept = None
     for start in range(0, n_rows, plan.chunk_rows):
@@ -371,9 +374,7 @@ def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, 
         # The host waits for the check while the GPU computes the first chunk's logits.
         _read_target_check(call)
         lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))
-        assumed = assumed_token_grad(valid[rows], n_valid, opts.reduction,
-                                     None if loss_mask is None else loss_mask[rows])
-        coefs = grad_coefficients(assumed, lse, nll, None, call.num_classes, opts)
+        coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, opts)
         chunks.gradients(rows, lse, coefs)
         if kept is None:
             kept = tuple(None if x is None else x.new_empty(n_rows) for x in (lse, nll, row_sum))

@@ -1,0 +1,69 @@
+"""A loss_mask edited in place between the forward and the backward (issue 24, item 2).
+
+With ``reduction="none"`` and a ``loss_mask``, the cce forward builds the gradients for an
+upstream gradient proportional to the mask, and the backward checks that the real one is. A
+caller that reuses the mask's buffer for the next batch edits it before the backward runs; the
+check must then compare against what the forward assumed (a copy), find the mismatch and
+recompute exactly, never return gradients for a mask that no longer holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_lce import make_problem
+
+from fused_lce import engine, linear_cross_entropy
+
+N, V, D = 45, 203, 23
+
+
+@pytest.mark.parametrize("edit", ["halved", "shifted", "unchanged"])
+def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, monkeypatch):
+    """The caller's loss multiplies by the mask as it is at the backward (edited in place): the
+    forward's gradients were built for the old one, so the backward must recompute."""
+    recomputes = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=7)
+    mask = (torch.rand(N, generator=torch.Generator().manual_seed(1)) > 0.3).float()
+
+    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
+    loss = linear_cross_entropy(h, w, target, impl="cce", reduction="none", loss_mask=mask)
+    if edit == "halved":
+        mask[: N // 2] = 0.0
+    elif edit == "shifted":
+        mask.copy_(mask.roll(1))
+    (loss * mask).sum().backward()
+
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
+    (expected * mask.double()).sum().backward()
+    assert len(walks) == 1
+    assert len(recomputes) == (0 if edit == "unchanged" else 1)
+    for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
+        err = (ours.double() - exact).norm() / exact.norm()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("edit", ["zeroed", "shifted"])
+def test_proportional_upstream_uses_the_forward_gradients_despite_an_edit(edit, walks,
+                                                                          monkeypatch):
+    """The upstream gradient is c * (the mask at the forward): the stored gradients apply and
+    are right, whatever the caller did to its buffer afterwards."""
+    recomputes = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "near-uniform", seed=8)
+    mask = (torch.rand(N, generator=torch.Generator().manual_seed(2)) > 0.3).float()
+    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
+    loss = linear_cross_entropy(h, w, target, impl="cce", reduction="none", loss_mask=mask)
+    applied = mask.clone()
+    mask.zero_() if edit == "zeroed" else mask.copy_(mask.roll(1))
+    (3.0 * loss * applied).sum().backward()
+
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
+    (3.0 * expected * applied.double()).sum().backward()
+    assert len(walks) == 1 and not recomputes
+    for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
+        err = (ours.double() - exact).norm() / exact.norm()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
