@@ -17,8 +17,11 @@ from helpers_parallel import run_on_ranks
 
 from fused_lce import linear_cross_entropy
 from fused_lce.kernels import lse_forward as lse_forward_module
+from fused_lce.kernels.common import INTERPRET
 
 N, V, D = 37, 701, 24
+# The Triton paths run under the interpreter on CPU tensors, or on a GPU where there is one.
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 PATHS = {
     "default": dict(impl="cce"),
@@ -58,14 +61,15 @@ def reference(hidden, weight, bias, target, *, softcap=None, upstream=None, **op
 
 
 def ours(hidden, weight, bias, target, path, *, train=True, upstream=None, **options):
-    inputs = [t.clone().requires_grad_(train) for t in (hidden, weight, bias)]
+    """(loss, d_hidden, d_weight, d_bias) on DEVICE, returned on the CPU."""
+    inputs = [t.to(DEVICE).requires_grad_(train) for t in (hidden, weight, bias)]
     with torch.set_grad_enabled(train):
-        loss = linear_cross_entropy(inputs[0], inputs[1], target, inputs[2], **PATHS[path],
-                                    **options)
+        loss = linear_cross_entropy(inputs[0], inputs[1], target.to(DEVICE), inputs[2],
+                                    **PATHS[path], **options)
     if not train:
-        return (loss.detach(), None, None, None)
-    (loss if upstream is None else (loss * upstream).sum()).backward()
-    return (loss.detach(), *(t.grad for t in inputs))
+        return (loss.detach().cpu(), None, None, None)
+    (loss if upstream is None else (loss * upstream.to(DEVICE)).sum()).backward()
+    return (loss.detach().cpu(), *(t.grad.cpu() for t in inputs))
 
 
 def assert_matches(actual, expected, tol=2e-4):
