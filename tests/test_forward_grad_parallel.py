@@ -33,7 +33,10 @@ def _reference(hidden, weight, target, mask, upstream):
     return h.grad, w.grad
 
 
-def _suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
+def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
+                           device: str = "cpu") -> list[str]:
+    """The walk on ``device`` (tests/test_parallel_one_gpu.py runs it with every rank on one
+    GPU), against fp64 on the CPU."""
     errors = []
     walks, recomputes = [], []
     original = engine._gradients_in_forward
@@ -53,13 +56,13 @@ def _suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
         h = hidden.clone()
         if sequence_parallel:
             h = h[rank * rows:(rank + 1) * rows]
-        h.requires_grad_()
-        w = weight[lo:hi].clone().requires_grad_()
+        h = h.to(device).requires_grad_()
+        w = weight[lo:hi].to(device).requires_grad_()
         loss = vocab_parallel_linear_cross_entropy(
-            h, w, target, reduction="none", sequence_parallel=sequence_parallel,
-            loss_mask=mask, token_chunk_size=7, impl="cce",
+            h, w, target.to(device), reduction="none", sequence_parallel=sequence_parallel,
+            loss_mask=mask.to(device), token_chunk_size=7, impl="cce",
         )
-        (loss * upstream).sum().backward()
+        (loss * upstream.to(device)).sum().backward()
         ref_h, ref_w = _reference(hidden, weight, target, mask, upstream)
         if sequence_parallel:
             ref_h = ref_h[rank * rows:(rank + 1) * rows]
@@ -67,7 +70,7 @@ def _suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
         if len(walks) != 1 or len(recomputes) != expected_recomputes:
             errors.append(f"tp={world} rank={rank} {name}: walks {walks}, recomputes {recomputes}")
         for label, ours, ref in (("input", h.grad, ref_h), ("weight", w.grad, ref_w[lo:hi])):
-            err = ((ours.double() - ref).abs().max() / ref.abs().max()).item()
+            err = ((ours.double().cpu() - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-5:
                 errors.append(f"tp={world} rank={rank} {name} {label}: rel err {err:.2e}")
     dist.barrier()
@@ -77,5 +80,5 @@ def _suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_vocab_shards_walk_together_and_match_fp64(world, sequence_parallel, tmp_path):
-    run_on_ranks(world, _suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
+    run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
                  interpret=True)

@@ -25,7 +25,8 @@ V = 50000
 V_PADDED = 50048  # divisible by 2, 4 and 8: every rank gets whole rows
 
 
-def _cases() -> list[dict]:
+def gpu_cases() -> list[dict]:
+    """The layer's options at a moderate size (also tests/test_parallel_one_gpu.py's)."""
     return [
         case("f32-mean", "cce", V),
         case("f32-sp-everything-padding", "cce", V_PADDED, vocab_size=V, sp=True, bias=True,
@@ -52,7 +53,7 @@ def _cases() -> list[dict]:
 
 
 def _suite(rank: int, world: int) -> list[str]:
-    return run_cases(rank, world, _cases(), shape=(S, B, D), device=f"cuda:{rank}")
+    return run_cases(rank, world, gpu_cases(), shape=(S, B, D), device=f"cuda:{rank}")
 
 
 @pytest.mark.parametrize(
