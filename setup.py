@@ -27,6 +27,18 @@ setup(
     package_dir={"fused_lce": "fused_lce", "fused_lce.parallel": "parallel",
                  "lce_train": "scripts/lce_train", "lce_train.configs": "configs"},
     package_data={"lce_train.configs": ["models/*.yaml", "experiments/*.yaml"]},
+    # One command per lce_train tool, each also ``python -m lce_train.<module>`` and, in a
+    # checkout, ``python scripts/<name>.py``.
+    entry_points={"console_scripts": [
+        "lce-pretrain-gpt = lce_train.training:main",
+        "lce-compare-losses = lce_train.compare_losses:main",
+        "lce-pp-memory-balance = lce_train.pp_memory_balance:main",
+        "lce-build-token-file = lce_train.build_token_file:main",
+        "lce-max-micro-batch = lce_train.max_micro_batch:main",
+        "lce-training-equivalence = lce_train.training_equivalence:main",
+        "lce-megatron-lm-report = lce_train.megatron_lm_report:main",
+        "lce-plot-gpu-suite = lce_train.plot_gpu_suite:main",
+    ]},
     install_requires=[
         "torch>=2.4",
         "numpy",
@@ -39,6 +51,8 @@ setup(
         # 0.16.1 is the newest release that supports Python 3.11.
         "megatron": ["megatron-core>=0.16.1"],
         "dev": ["pytest>=8", "pytest-timeout", "ruff", "matplotlib", "pyyaml"],
+        # The memory study's and the GPU reports' figures (lce-pp-memory-balance --png).
+        "plot": ["matplotlib"],
         # scripts/build_token_file.py --tokenizer bpe (the training-equivalence text corpus);
         # pinned: the same version trains the same merges.
         "data": ["tokenizers==0.23.3"],

@@ -30,16 +30,12 @@ import contextlib
 import datetime
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fused_lce.parallel import agreement, vocab_parallel  # noqa: E402
+from fused_lce.parallel import agreement, vocab_parallel
 
 GEMMA2 = dict(tokens=8192, hidden=2304, vocab=256000, softcap=30.0)
 SMOKE = dict(tokens=48, hidden=32, vocab=1003, softcap=30.0)

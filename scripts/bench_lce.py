@@ -46,7 +46,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Import the installed packages, not lce_train's source folder beside this file: the install
+# maps the top-level configs/ in as lce_train.configs, which that folder lacks.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 from fused_lce import linear_cross_entropy  # noqa: E402
 from fused_lce.options import LEAN_SCRATCH_MB, LCEOptions  # noqa: E402

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fused_lce import linear_cross_entropy  # noqa: E402
+from fused_lce import linear_cross_entropy
 
 MIB = 2**20
 

@@ -6,16 +6,11 @@ The full GPU suite is tests/test_gpu.py; this script is the smoke test to run fi
 machine (seconds).
 """
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.options import LCEOptions  # noqa: E402
-from fused_lce.reference import reference_linear_cross_entropy  # noqa: E402
+from fused_lce import linear_cross_entropy
+from fused_lce.options import LCEOptions
+from fused_lce.reference import reference_linear_cross_entropy
 
 
 def rel(a, b):

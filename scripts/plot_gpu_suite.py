@@ -6,9 +6,15 @@
 The command line of ``lce_train.plot_gpu_suite``, whose docstring (and ``--help``) says the rest.
 """
 
+import os
 import sys
 
-from lce_train.plot_gpu_suite import main
+# Import the installed lce_train, not its source folder beside this file: the install maps the
+# top-level configs/ in as lce_train.configs, which that folder lacks (a wheel would break).
+HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != HERE]
+
+from lce_train.plot_gpu_suite import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

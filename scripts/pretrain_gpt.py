@@ -45,9 +45,15 @@ from scripts/build_token_file.py), sampled as seeded random windows: the batch o
 depends only on the seed and k, so a resumed run sees the same data.
 """
 
+import os
 import sys
 
-from lce_train.training import main
+# Import the installed lce_train, not its source folder beside this file: the install maps the
+# top-level configs/ in as lce_train.configs, which that folder lacks (a wheel would break).
+HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != HERE]
+
+from lce_train.training import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,13 +17,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Import the installed packages, not lce_train's source folder beside this file: the install
+# maps the top-level configs/ in as lce_train.configs, which that folder lacks.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from fused_lce.function import grad_coefficients, prepare_rows  # noqa: E402
+from fused_lce.function import prepare_rows  # noqa: E402
 from fused_lce.kernels import grad_logits as grad_logits_module  # noqa: E402
 from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
 from fused_lce.kernels.common import TileConfig  # noqa: E402
 from fused_lce.options import LCEOptions  # noqa: E402
+from fused_lce.terms import grad_coefficients  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 CANDIDATES = [
@@ -79,7 +83,7 @@ def main(argv=None) -> None:
     stats = lse_module.lse_forward(hidden, weight, None, rows.order, rows.n_valid)
     lse = stats.lse
     grad = torch.full((n,), 1.0 / n, device="cuda")
-    coefs = grad_coefficients(grad, lse, None, v, LCEOptions())
+    coefs = grad_coefficients(grad, lse, torch.zeros_like(lse), None, v, LCEOptions())
     target_local = target.to(torch.int32)
     cols = min(args.vocab_chunk, v)
     buf = torch.empty((n, cols), device="cuda", dtype=torch.bfloat16)

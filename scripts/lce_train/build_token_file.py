@@ -379,3 +379,7 @@ def main(argv=None) -> int:
               f"{text_bytes / 2**20:.1f} MiB of text, {args.tokenizer} tokenizer, vocabulary "
               f"{meta['vocab_size']} ({n / max(1, text_bytes):.3f} tokens/byte)")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -188,3 +188,7 @@ def main(argv=None) -> None:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -314,3 +314,7 @@ def main(argv=None) -> None:
                 path = str(Path(args.csv).with_suffix("")) + "_measured.csv"
                 write_csv(measured, path)
                 print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

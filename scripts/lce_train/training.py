@@ -238,3 +238,7 @@ def main(argv=None) -> None:
     train(args)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
