@@ -107,7 +107,8 @@ def test_without_labels_the_logits_path_runs(group):
     lce_megatron.install(gpt)
     hidden, _ = _inputs(1)
     logits = gpt._postprocess(hidden)
-    assert logits.shape == (B, S, V)
+    expected = (hidden @ gpt.output_layer.weight.t()).transpose(0, 1)
+    assert torch.equal(logits, expected), "the logits path must be the model's own, untouched"
 
 
 def test_other_impls_are_untouched(group):
@@ -169,12 +170,18 @@ def test_parser_gets_cce_choices():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
     lce_megatron.add_arguments(lce_megatron.add_arguments(parser))
-    assert parser.parse_args(["--cross-entropy-fusion-impl", "linear"]).cross_entropy_fusion_impl
+    (action,) = [a for a in parser._actions if "--cross-entropy-fusion-impl" in a.option_strings]
+    assert action.choices == ["native", "te", "cce", "linear"], "added once, after megatron's"
+    for choice in ("native", "te", "cce", "linear"):
+        args = parser.parse_args(["--cross-entropy-fusion-impl", choice])
+        assert args.cross_entropy_fusion_impl == choice
+    assert parser.parse_args([]).cross_entropy_fusion_impl == "native"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cross-entropy-fusion-impl", "bogus"])
     fresh = lce_megatron.add_arguments(argparse.ArgumentParser())
     args = fresh.parse_args(["--cross-entropy-fusion-impl", "cce"])
     assert args.cross_entropy_fusion_impl == "cce"
+    assert fresh.parse_args([]).cross_entropy_fusion_impl == "native"
 
 
 class MaskedGPT(FakeGPT):

@@ -1,8 +1,9 @@
 """The Megatron-LM plugin against the ``megatron/training`` that ships in megatron-core >= 0.19.
 
-megatron-core 0.16.1 (CI, Python 3.11) has no ``megatron.training``: these tests skip there and
-run on the GPU machines (Python 3.12, the 0.19 wheel). The adapter's model-level behaviour is
-tested on CPU in test_megatron_adapter.py and through the launcher in test_launcher.py.
+megatron-core 0.16.1 (CI, Python 3.11) has no ``megatron.training``: the parser tests skip there
+and run on the GPU machines (Python 3.12, the 0.19 wheel); the class-level install needs only
+megatron.core and runs everywhere. The adapter's model-level behaviour is tested on CPU in
+test_megatron_adapter.py and through the launcher in test_launcher.py.
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import sys
 
 import pytest
 
-arguments = pytest.importorskip("megatron.training.arguments")
+from fused_lce.parallel import megatron as lce_megatron
 
-from fused_lce.parallel import megatron as lce_megatron  # noqa: E402
+pytest.importorskip("megatron.core")
 
 
-def _parse(monkeypatch, flags):
+@pytest.fixture
+def arguments():
+    """megatron/training's argument module (megatron-core >= 0.19), or a skip."""
+    return pytest.importorskip("megatron.training.arguments")
+
+
+def _parse(arguments, monkeypatch, flags):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
     return arguments.parse_args(
         extra_args_provider=lce_megatron.extra_args_provider, ignore_unknown_args=True
@@ -24,18 +31,19 @@ def _parse(monkeypatch, flags):
 
 
 @pytest.mark.parametrize("impl", ["cce", "linear", "native"])
-def test_megatron_lm_parser_accepts_cce(monkeypatch, impl):
-    args = _parse(monkeypatch, ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", impl])
+def test_megatron_lm_parser_accepts_cce(arguments, monkeypatch, impl):
+    args = _parse(arguments, monkeypatch,
+                  ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", impl])
     assert args.cross_entropy_loss_fusion
     assert args.cross_entropy_fusion_impl == impl
 
 
-def test_megatron_lm_parser_rejects_unknown_impl(monkeypatch):
+def test_megatron_lm_parser_rejects_unknown_impl(arguments, monkeypatch):
     with pytest.raises(SystemExit):
-        _parse(monkeypatch, ["--cross-entropy-fusion-impl", "nonsense"])
+        _parse(arguments, monkeypatch, ["--cross-entropy-fusion-impl", "nonsense"])
 
 
-def test_extending_twice_is_harmless(monkeypatch):
+def test_extending_twice_is_harmless(arguments, monkeypatch):
     def provider(parser):
         return lce_megatron.extra_args_provider(lce_megatron.extra_args_provider(parser))
 
@@ -44,11 +52,13 @@ def test_extending_twice_is_harmless(monkeypatch):
     assert args.cross_entropy_fusion_impl == "cce"
 
 
-def test_class_level_install_is_idempotent():
+def test_class_level_install_is_idempotent(monkeypatch):
     from megatron.core.models.gpt import GPTModel
 
+    original = GPTModel._postprocess
+    monkeypatch.setattr(GPTModel, "_postprocess", original)  # restored after the test
     lce_megatron.install()
     first = GPTModel._postprocess
+    assert first is not original and getattr(first, "_fused_lce_patched", False)
     lce_megatron.install()
     assert GPTModel._postprocess is first
-    assert getattr(first, "_fused_lce_patched", False)

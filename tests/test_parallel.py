@@ -215,23 +215,31 @@ def test_bad_inputs_raise_on_every_rank(tmp_path):
 
 
 def _one_rank_differs_suite(rank: int, world: int, variant: str) -> list[str]:
-    """A call that is wrong on rank 1 (or 0) only: every rank must raise ValueError, since a
-    rank that goes on into a collective waits for ever. No barrier after it: a rank that
-    raised leaves, which ends the other's wait."""
+    """A call that is wrong on rank 1 (or 0) only: every rank must raise the ValueError of the
+    check that sees it, since a rank that goes on into a collective waits for ever. No barrier
+    after it: a rank that raised leaves, which ends the other's wait."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     hidden, weight, target, _ = make_problem((S, B), V, D, F32, seed=6)
     shard = weight[rank * 102:(rank + 1) * 102]
     if variant == "negative-start":
-        args = dict(input=hidden, vocab_start_index=-1 if rank == 0 else 102)
+        args = dict(input=hidden, target=target, vocab_start_index=-1 if rank == 0 else 102)
+        expected = r"vocab_start_index must be >= 0 on every rank, got \[-1, 102\]"
     else:  # "debug-sp-shard-size": rank 1's sequence shard is one position short
+        # ... and its target matches it, so each rank's own checks pass: only the comparison of
+        # the ranks' signatures can tell (the shapes of input and target differ).
         half = S // 2
-        args = dict(input=hidden[rank * half:(rank + 1) * half - rank], sequence_parallel=True,
-                    debug=True)
+        rows = half - rank
+        args = dict(input=hidden[rank * half:rank * half + rows], target=target[:2 * rows],
+                    sequence_parallel=True, debug=True)
+        expected = (r"ranks disagree on input \(rank 0: \(6, 3, 37\) float32, rank 1: "
+                    r"\(5, 3, 37\) float32\); target")
     try:
-        vocab_parallel_linear_cross_entropy(weight=shard, target=target, impl="chunked", **args)
-    except ValueError:
-        return []
+        vocab_parallel_linear_cross_entropy(weight=shard, impl="chunked", **args)
+    except ValueError as exc:
+        if re.search(expected, str(exc)):
+            return []
+        return [f"rank={rank}: ValueError {str(exc)[:300]!r} does not match {expected!r}"]
     except Exception as exc:
         return [f"rank={rank}: {type(exc).__name__} instead of ValueError: {str(exc)[:200]}"]
     return [f"rank={rank}: no error raised"]

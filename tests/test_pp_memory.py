@@ -126,7 +126,7 @@ def test_stage_memory_composition():
     assert pm.stage_memory(tied, lay, [1, 1])[1].states == last.states  # a copy on the last
     (alone,) = pm.stage_memory(tied, lay.replace(pp=1), [2])
     assert alone.states == 18 * (2 * pm.layer_params(TINY, 1) + embed + 64)  # counted once
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"split \[2, 1\] must give 2 layers to 2 virtual stages"):
         pm.stage_memory(TINY, lay, [2, 1])
 
 
@@ -204,9 +204,9 @@ def test_cce_buys_brute_force():
 
 
 def test_layout_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="recompute must be none, selective or full, got 'some'"):
         pm.Layout(recompute="some")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"virtual pipeline stages need pp > 1"):
         pm.Layout(vpp=2)
     assert not pm.Layout(sequence_parallel=True).sp
 

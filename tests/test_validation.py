@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close_rel
 
 import fused_lce.chunked
 import fused_lce.function
@@ -231,9 +232,17 @@ def test_bad_chunk_env_var_raises(monkeypatch, variable, raw, options):
 
 
 def test_chunk_size_argument_beats_env_var(monkeypatch):
+    """The argument's chunks are the ones walked, and the loss is right."""
+    widths = []
+    fold = fused_lce.chunked._fold_into_lse_
+    monkeypatch.setattr(fused_lce.chunked, "_fold_into_lse_",
+                        lambda z, *a: widths.append(z.shape[1]) or fold(z, *a))
     monkeypatch.setenv("FUSED_LCE_VOCAB_CHUNK", "abc")
     loss = _call("chunked", lambda p: {}, {"vocab_chunk_size": 8})
-    assert torch.isfinite(loss)
+    assert widths == [8, 8, 7]  # V = 23
+    p = {k: v.double() if v.is_floating_point() else v for k, v in _problem().items()}
+    expected = F.cross_entropy(p["input"] @ p["weight"].t() + p["bias"], p["target"])
+    assert_close_rel(loss, expected, 1e-6, "loss")
 
 
 def test_bad_scratch_env_var_raises(monkeypatch):
