@@ -121,6 +121,8 @@ def add_cce_arguments(parser: argparse.ArgumentParser, title: str | None = None)
         help_text = " ".join(docs.get(name, "").split()).replace("%", "%%")
         dest = CCE_FLAG_PREFIX + name
         if option.type is bool:
+            if option.default:  # the docstring speaks of True and False: say what the flag sets
+                help_text = f"Sets {name}=False (default True). {name}: {help_text}"
             group.add_argument(*flags, dest=dest, action="store_const",
                                const=not option.default, default=None, help=help_text)
             continue

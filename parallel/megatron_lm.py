@@ -36,6 +36,7 @@ Importing this module imports neither megatron nor Megatron-LM; :func:`install` 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import runpy
@@ -44,7 +45,6 @@ import sys
 from . import megatron as lce_megatron
 
 _PATCHED = "_fused_lce_patched"
-USAGE = "usage: python -m fused_lce.parallel.megatron_lm SCRIPT.py [ARGS...]"
 
 
 def install() -> None:
@@ -56,13 +56,22 @@ def install() -> None:
     try:
         from megatron.training import arguments
     except ImportError as exc:
-        raise ImportError(
-            "fused_lce.parallel.megatron_lm needs Megatron-LM's megatron.training (Megatron-LM's "
-            "source on PYTHONPATH, or a megatron-core wheel that ships it, 0.19+)"
-        ) from exc
+        raise ImportError(_why_megatron_training_failed(exc)) from exc
     lce_megatron.install(options_from=options_from_megatron_lm)
     _wrap_module_function(arguments, "add_megatron_arguments", _with_cce_arguments)
     _wrap_module_function(arguments, "parse_args", _checking_cce_options)
+
+
+def _why_megatron_training_failed(exc: ImportError) -> str:
+    """What to do: Megatron-LM itself is missing, or one of the modules it imports is."""
+    if exc.name in ("megatron", "megatron.training"):
+        return ("fused_lce.parallel.megatron_lm needs Megatron-LM's megatron.training "
+                "(Megatron-LM's source on PYTHONPATH, or a megatron-core wheel that ships it, "
+                "0.19+)")
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return (f"Megatron-LM's megatron.training imports {exc.name!r}, which is not installed: "
+                f"install it (Megatron-LM's requirements list it) ({exc})")
+    return f"importing Megatron-LM's megatron.training failed: {exc}"
 
 
 def options_from_megatron_lm() -> dict:
@@ -110,16 +119,30 @@ def _checking_cce_options(parse_args):
     return parse_and_check_cce_options
 
 
+def help_parser() -> argparse.ArgumentParser:
+    """What ``--help`` shows: the route's usage and the flags it adds to Megatron-LM's parser."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fused_lce.parallel.megatron_lm", usage="%(prog)s SCRIPT.py [ARGS...]",
+        description="Run a Megatron-LM training script (pretrain_gpt.py, unmodified) with "
+        "fused_lce's loss: Megatron-LM's parser gains the choices cce and linear for "
+        "--cross-entropy-fusion-impl and the --cce-* flags below; every other argument is the "
+        "script's own.",
+        epilog="example: torchrun --nproc-per-node 2 -m fused_lce.parallel.megatron_lm "
+        "pretrain_gpt.py --cross-entropy-loss-fusion --cross-entropy-fusion-impl cce ARGS...",
+        add_help=False)
+    parser.add_argument("-h", "--help", action="help", help="show this message and exit")
+    return lce_megatron.extra_args_provider(parser)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install, then run ``argv[0]`` as ``python SCRIPT ARGS...`` would (``__main__``)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        print(__doc__.split("\n\n")[1].strip() if __doc__ else "")
+        help_parser().print_help(sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     script = argv[0]
     if not os.path.isfile(script):
-        raise SystemExit(f"{USAGE}\nno such script: {script}")
+        raise SystemExit(f"{help_parser().format_usage()}no such script: {script}")
     install()
     sys.argv = [script, *argv[1:]]
     # As `python SCRIPT` does: the script's folder first (pretrain_gpt.py imports its neighbours).

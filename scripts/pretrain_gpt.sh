@@ -5,7 +5,7 @@
 #   NGPU=8 CONFIG=llama3_8b ./scripts/pretrain_gpt.sh --tensor-model-parallel-size 2 \
 #       --sequence-parallel --pipeline-model-parallel-size 2 --bf16 --seq-length 4096 \
 #       --micro-batch-size 1 --global-batch-size 64 --cross-entropy-fusion-impl cce --mock-data
-#   DRY_RUN=1 NGPU=8 CONFIG=gemma2_2b ./scripts/pretrain_gpt.sh --tensor-model-parallel-size 8
+#   DRY_RUN=1 NGPU=8 CONFIG=gemma2_2b ./scripts/pretrain_gpt.sh --tensor-model-parallel-size 4
 #   ./scripts/pretrain_gpt.sh                 # CPU: 2 gloo ranks, tiny config, TP=2, cce
 #
 # Multi-node: run the same command on every node with the same MASTER_ADDR / MASTER_PORT:
