@@ -5,6 +5,8 @@ recommender against brute force on small cases, the script on every shipped conf
 import dataclasses
 import importlib.util
 import itertools
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from lce_train import pp_memory_balance
 from lce_train.configs import ModelConfig, known_models, load_model_config
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+DOCS = SCRIPTS.parent / "docs"
 
 TINY = load_model_config("tiny")  # h 64, 4 heads x 16, 4 kv groups, ffn 256, vocab 1000, 2 layers
 # ffn = 8h/3: a gated MLP that stores as much as the paper's 4h GeLU MLP (6 f / h = 16).
@@ -258,3 +261,32 @@ def test_cce_backward_is_checked():
         pm.Layout(loss="cce", cce_backward="tiles")
     with pytest.raises(ValueError, match="scratch_mb must be > 0 or None"):
         pm.Layout(loss="cce", scratch_mb=0.0)
+
+
+def _documented_studies() -> list[tuple[str, str]]:
+    """docs/pp_memory_balance.md's study commands, each with the output block printed under it."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", (DOCS / "pp_memory_balance.md").read_text(),
+                        flags=re.S | re.M)
+    return [(command, output) for (lang, command), (next_lang, output) in zip(blocks, blocks[1:])
+            if lang == "bash" and next_lang == "" and "pp_memory_balance.py" in command]
+
+
+def test_the_doc_shows_what_its_commands_print(tmp_path, capsys):
+    """Each worked study's table and verdicts are what its command prints today, and the CSV
+    committed beside the doc is what it writes."""
+    studies = _documented_studies()
+    assert len(studies) == 2, studies
+    for command, shown in studies:
+        words = shlex.split(command.replace("\\\n", " "))
+        assert words[:2] == ["python", "scripts/pp_memory_balance.py"], words
+        argv = words[2:]
+        csv = argv.index("--csv") + 1
+        assert not argv[csv].startswith("docs/"), "the doc's command must not write into docs/"
+        name = Path(argv[csv]).name
+        argv[csv] = str(tmp_path / name)
+        del argv[argv.index("--png"):argv.index("--png") + 2]
+        pp_memory_balance.main(argv)
+        printed = [line for line in capsys.readouterr().out.splitlines()
+                   if not line.startswith("wrote ")]
+        assert printed == shown.rstrip("\n").splitlines(), command
+        assert (tmp_path / name).read_text() == (DOCS / "pp_memory_balance" / name).read_text()

@@ -10,10 +10,14 @@ writes a CSV and a PNG bar chart per stage (native vs cce, before and after reba
         --sequence-parallel --pipeline-model-parallel-size 4 --num-microbatches 8 \\
         --seq-length 8192 --csv out/llama.csv --png out/llama.png
 
-``--measure`` runs scripts/pretrain_gpt.py under torchrun for the same layout (the split given,
-and the recommended one where first/last flags express it), once per loss, reads each stage's
-peak memory from its ``--log-json`` records and prints predicted vs measured per stage. It needs
-TP x PP x DP GPUs; ``--dry-run`` prints the torchrun commands instead of running them.
+(the same as ``python -m lce_train.pp_memory_balance`` or ``lce-pp-memory-balance``; ``--png``
+needs matplotlib, ``pip install 'fused_lce[plot]'``).
+
+``--measure`` runs the launcher (``lce_train.training``) under torchrun for the same layout (the
+split given, and the recommended one where first/last flags express it), once per loss, reads
+each stage's peak memory from its ``--log-json`` records and prints predicted vs measured per
+stage. It needs TP x PP x DP GPUs; ``--dry-run`` prints the torchrun commands instead of running
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -32,8 +37,6 @@ from lce_train import pp_memory as pm
 from lce_train.configs import known_models, load_model_config
 
 LOSSES = ("native", "cce")
-# --measure starts the launcher's command line from a checkout (scripts/lce_train/ -> its root).
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cce's buffer budget (fused_lce's scratch_mb; default: the op's)")
     g.add_argument("--cce-backward", choices=("auto", "gemm"), default="auto",
                    help="cce's backward: gradients in the forward (auto) or recomputed (gemm, "
-                        "what docs/pp_memory_balance.md's studies used)")
+                        "what docs/pp_memory_balance.md's measured section used)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="the split to start from (default: megatron's even split)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
@@ -71,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-gib", type=float, default=None,
                    help="budget for 'what cce buys' (default: native's rebalanced peak)")
     g.add_argument("--csv", default=None, help="write the per-stage table here")
-    g.add_argument("--png", default=None, help="write the per-stage bar chart here")
+    g.add_argument("--png", default=None,
+                   help="write the per-stage bar chart here (needs matplotlib: the [plot] extra)")
     g = p.add_argument_group("measured mode (GPUs)")
     g.add_argument("--measure", action="store_true",
-                   help="run scripts/pretrain_gpt.py under torchrun and compare per stage")
+                   help="run the launcher under torchrun and compare per stage")
     g.add_argument("--train-iters", type=int, default=3, help="steps per measured run")
     g.add_argument("--dry-run", action="store_true", help="print the measured runs' commands")
     return p
@@ -175,7 +179,9 @@ def plot(rows: list[dict], title: str, path: str) -> None:
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel("predicted peak memory (GiB)")
     ax.set_title(textwrap.fill(title, 70), fontsize=9)
-    ax.legend(fontsize=8)
+    # Headroom above the tallest bar for the legend, so it hides no bar.
+    ax.set_ylim(0, 1.3 * max(r["total_gib"] for r in rows))
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -189,12 +195,13 @@ def plot(rows: list[dict], title: str, path: str) -> None:
 
 def launcher_command(args, lay: pm.Layout, loss: str, split: list[int], log_json: str
                      ) -> list[str]:
-    """torchrun scripts/pretrain_gpt.py for one loss and a first/last-flag split."""
+    """torchrun of the launcher (the installed lce_train) for one loss and a first/last-flag
+    split."""
     if lay.vpp != 1 or lay.recompute == "full":
         raise SystemExit("--measure: scripts/pretrain_gpt.py has no virtual stages and no full "
                          "recomputation")
     world = lay.tp * lay.pp * lay.dp
-    cmd = ["torchrun", "--nproc-per-node", str(world), str(ROOT / "scripts" / "pretrain_gpt.py"),
+    cmd = ["torchrun", "--nproc-per-node", str(world), "-m", "lce_train.training",
            "--config", args.config, "--num-layers", str(sum(split)), "--bf16", "--mock-data",
            "--tensor-model-parallel-size", str(lay.tp),
            "--pipeline-model-parallel-size", str(lay.pp),
@@ -224,8 +231,6 @@ def parse_peaks(log_text: str, key: str = "peak_gib") -> list[float]:
 def launcher_recompute(lay: pm.Layout) -> pm.Layout:
     """The layout as the launcher runs it: without transformer-engine its layers are megatron's
     local ones, whose attention stores its scores (no recomputation: ``none``)."""
-    import importlib.util
-
     if importlib.util.find_spec("transformer_engine") is None and lay.recompute != "none":
         print(f"note: predicting the measured runs with --recompute none (was {lay.recompute}): "
               "the launcher's local attention keeps its scores", flush=True)
@@ -249,7 +254,7 @@ def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dic
                 print("$ " + shlex.join(cmd), flush=True)
                 if args.dry_run:
                     continue
-                subprocess.run(cmd, check=True, cwd=ROOT)
+                subprocess.run(cmd, check=True)
                 log_text = Path(log_json).read_text()
             measured, resident = parse_peaks(log_text), parse_peaks(log_text, "resident_gib")
             for st, meas, res in zip(pm.stage_memory(cfg, lay_l, sp), measured, resident):
@@ -266,6 +271,8 @@ def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dic
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--png needs matplotlib: pip install 'fused_lce[plot]'")
     cfg = load_model_config(args.config)
     if args.num_layers is not None:
         if args.num_layers < 1:
