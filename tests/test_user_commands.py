@@ -109,3 +109,14 @@ def test_megatron_lm_names_the_missing_module(tmp_path, monkeypatch, missing, sa
     monkeypatch.setitem(sys.modules, missing, None)
     with pytest.raises(ImportError, match=re.escape(said)):
         megatron_lm.install()
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_second():
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^```bash\n(.*?)^```", quick_start, flags=re.S | re.M)
+    assert len(commands) == 2, commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    (test_command,) = re.findall(r'^TEST_CMD="(.*)"$', ci, flags=re.M)
+    assert commands[1].strip().endswith("&& " + test_command)
+    assert 'eval "$TEST_CMD"' in ci
