@@ -33,15 +33,17 @@ collective, and the two hang or abort. No scheme in which some rank skips all co
 tell it that a peer differs. What a training step must not pay is a device-to-host
 synchronisation (it drains the GPU's queue and stops the host from running ahead). So the check
 runs on the host: over the group itself when it is a gloo group (CPU tensors), and otherwise over
-a gloo group of the same ranks, created once per group (``new_group(..., backend="gloo",
-use_local_synchronization=True)``, so only the group's members take part; comm.host_group).
+a gloo group of the same ranks formed by the members at their first call on them (comm.host_group;
+its module docstring says why it is not made with ``new_group``). Every wait of the exchange is
+bounded by the group's own timeout: a member that does not come makes the others raise
+comm.HostGroupError naming the group, instead of waiting for torch's 30-minute gloo default.
 Per call this is one host-to-host all-gather of TP x 7 int64 and ~25 us of Python to describe
 the call; the GPU queue is not touched. The target range check (``check_targets=True``, the
 default) does read the GPU: the smallest and largest target are copied to the host, the one
 device synchronisation the layer had before; with ``check_targets=False`` (the megatron
 adapter) there is none.
 
-What is cached: the gloo group per process group, nothing else. Measured with
+What is cached: the gloo group per set of ranks, nothing else. Measured with
 scripts/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other jobs, so
 upper bounds): the first call 1-3 ms, later calls 0.3-0.6 ms, of which ~25 us is Python
 (describing and hashing the call) and the rest the loopback all-gather (two processes meeting
@@ -52,6 +54,10 @@ group; the GPU figures at the Gemma-2 shape come from the same script.
 Deadlock: the host all-gather blocks this rank's host until every peer's host reaches the same
 call. In an SPMD program the peers issue the same collectives in the same order before it, and
 those run on their GPUs without their hosts, so no peer can be waiting for this rank's host.
+Where that does not hold (a member never calls, or its host blocks first in something this rank
+has not reached: making a group every rank must enter, a gloo collective of another group, this
+layer on another group in another order), every member that came raises comm.HostGroupError
+after the group's timeout.
 
 ``debug=True`` of the layer, once an opt-in all-gather of shapes, is folded into this check,
 which is always on; the argument is accepted and does nothing.
