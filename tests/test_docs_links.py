@@ -1,4 +1,5 @@
-"""Every relative link in README.md and docs/**/*.md reaches a file, and every anchor a heading.
+"""Every relative link in README.md and docs/**/*.md reaches a file, and every anchor a heading;
+every repository path they name in code (`` `scripts/lce_train/megatron_cpu.py` ``) exists.
 
 Anchors follow GitHub's rule for headings: the heading's text (markdown links reduced to their
 text) lowercased, every character that is not a letter, a digit, ``_``, ``-`` or a space dropped,
@@ -20,6 +21,10 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
+# A path in a code span under one of the repository's top-level folders; a placeholder file name
+# in capitals (`scripts/X.py`) is not a path.
+NAMED_PATH = re.compile(r"`((?:fused_lce|parallel|scripts|configs|tests|docs|\.ci)/[\w./-]+"
+                        r"\.(?:py|sh|md|yaml|json|csv|png))`")
 
 
 def _prose(text: str) -> str:
@@ -77,3 +82,11 @@ def test_a_broken_anchor_is_caught(tmp_path):
                                    "[gone](c.md) `[code](c.md)` [web](https://example.com)\n")
     assert _broken_links(tmp_path / "b.md") == [
         "a.md#nope: no heading with anchor #nope in a.md", "c.md: no such file"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_named_repository_paths_exist(page):
+    named = NAMED_PATH.findall(page.read_text())
+    missing = [path for path in named
+               if not Path(path).stem.isupper() and not (ROOT / path).exists()]
+    assert not missing
