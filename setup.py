@@ -11,7 +11,8 @@ pipeline-memory study, the gradient probes and the model configs. Its code lives
 in the top-level ``configs/`` folder, installed as the subpackage ``lce_train.configs`` with the
 YAML files as package data, so a wheel finds them. ``package_dir`` does both mappings; the
 package list is written out so that nothing else (tests, the scripts themselves) lands in
-site-packages.
+site-packages. Each lce_train tool is also a console script (``lce-pretrain-gpt``, ...), so a
+wheel user has the same commands as a checkout's ``scripts/*.py``.
 """
 
 from setuptools import setup

@@ -4,7 +4,7 @@ The op is ``fused_lce`` (with ``fused_lce.parallel``); this package trains with 
 it. It may import the op; the op never imports it. megatron-core (``pip install .[megatron]``) is
 imported inside the functions that need it, so every module here imports without it.
 
-The launcher (scripts/pretrain_gpt.py), in the order a run goes through it:
+The launcher (scripts/pretrain_gpt.py, ``lce-pretrain-gpt``), in the order a run goes through it:
     arguments            flags, the resolved plan and ``--dry-run``'s description
     data                 seeded random windows of mock tokens or a token file
     model                parallel groups, the GPTModel of a stage, the schedule's step function
@@ -19,5 +19,11 @@ Studies and tools (each the library of the script of the same name in scripts/):
     configs              model shapes (the top-level configs/ folder, YAML as package data)
     pp_memory            the per-stage pipeline memory model
     grad_probe           the loss layer's gradient error against an fp32 reference
-    pp_memory_balance, max_micro_batch, training_equivalence, build_token_file, plot_gpu_suite
+    compare_losses, pp_memory_balance, max_micro_batch, training_equivalence, build_token_file,
+    megatron_lm_report, plot_gpu_suite
+
+Every module with a ``main`` is a command three ways: ``python -m lce_train.<module>``, the
+console script that setup.py installs (``lce-pp-memory-balance``; ``lce-pretrain-gpt`` for
+``training``) and, in a checkout, ``python scripts/<name>.py``, which imports this package as
+installed (editable or wheel): the source folder has no ``configs``, which the install maps in.
 """
