@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     """Install, then run ``argv[0]`` as ``python SCRIPT ARGS...`` would (``__main__``)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        help_parser().print_help(sys.stdout if argv else sys.stderr)
+        help_parser().print_help()
         raise SystemExit(0 if argv else 2)
     script = argv[0]
     if not os.path.isfile(script):

@@ -76,7 +76,7 @@ def test_megatron_lm_help_lists_the_flags():
 def test_megatron_lm_without_arguments_prints_usage_and_fails():
     proc = subprocess.run([sys.executable, "-m", "fused_lce.parallel.megatron_lm"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("usage:"), proc.stderr
+    assert proc.returncode == 2 and proc.stdout.startswith("usage:"), proc.stderr
 
 
 def test_negated_flags_say_what_they_set():
