@@ -1,11 +1,40 @@
-"""Checkpoints: one ``torch.save`` file per rank holding the model, the optimizer, the RNG
-states and the step; resuming needs the same parallel layout."""
+"""Checkpoints through megatron-core's ``dist_checkpointing``: sharded, and resumable at another
+parallel layout.
+
+A checkpoint is Megatron-LM's layout on disk::
+
+    SAVE/latest_checkpointed_iteration.txt    the last complete step, e.g. "10"
+    SAVE/iter_0000010/                        one dist_checkpointing folder (torch_dist backend):
+        metadata.json, common.pt, __<rank>_<n>.distcp, .metadata
+
+Each rank writes its shards of the model (``GPTModel.sharded_state_dict``) and of the optimizer
+(``optimizer.sharded_state_dict``: Adam's moments and the fp32 main parameters, keyed by the
+model parameter they belong to), so a run saved at one TP / PP / DP layout loads at another; the
+distributed optimizer's state is saved as ``fully_reshardable`` (gathered per parameter over the
+data-parallel group), which reloads at any layout.
+
+What resumes with it: the step, the model, the optimizer, and per rank the RNG states (CPU, CUDA
+and megatron's tracker) when the layout is the same (then a resumed run repeats an unbroken one
+bitwise). The data need no state: the batch of step k is a function of the seed, k and the global
+batch size (``lce_train.data``), so the global batch size must stay the same.
+
+The launcher's earlier format (one ``torch.save`` file per rank, ``iter_*/rank_*.pt``) is not
+read: its folders are refused with a message naming them.
+"""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# Megatron-LM's metadata for sharded_state_dict: the distributed optimizer's state per parameter,
+# gathered over DP (reshardable across TP, PP and DP).
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+FORMAT = "lce_train dist_checkpointing v1"
 
 
 def rng_state():
@@ -27,78 +56,304 @@ def set_rng_state(state) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _layout(args) -> dict:
+def layout(args) -> dict:
     return {"world": args.world_size, "tp": args.tensor_model_parallel_size,
             "pp": args.pipeline_model_parallel_size, "cp": args.context_parallel_size}
 
 
+def iteration_folder(root, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer's sharded state
+# ---------------------------------------------------------------------------------------------
+
+
 def _inner_optimizers(optimizer) -> list:
     """The torch optimizers inside megatron's (chained, fp32, mixed-precision, distributed) or
-    our TorchAdamW; their parameters are this rank's fp32 main parameters (or shards)."""
+    our TorchAdamW."""
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None:
         return [inner for opt in chained for inner in _inner_optimizers(opt)]
     return [optimizer.optimizer]
 
 
-def _optimizer_state(optimizer) -> list[dict]:
-    """Per rank: each inner optimizer's state and its main parameters' values.
+def _allocate_adam_state(optimizer) -> None:
+    """Give every parameter of the inner torch Adam(W)s a zero state before loading into it.
 
-    Checkpoints here are per rank and need the same layout to resume, so the rank's own shard of
-    the optimizer is saved as is; megatron's distributed optimizer would otherwise gather it.
+    torch creates Adam's state at the first step, and megatron's optimizers read it when they
+    describe their sharded state (the distributed optimizer asserts one common step), so a run
+    that resumes before its first step needs a state of the right shapes to load into.
     """
-    return [{"state": inner.state_dict(),
-             "main_params": [p.detach().clone() for g in inner.param_groups for p in g["params"]]}
-            for inner in _inner_optimizers(optimizer)]
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state.get(p):
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _load_optimizer_state(optimizer, saved: list[dict]) -> None:
-    inners = _inner_optimizers(optimizer)
-    if len(inners) != len(saved):
-        raise SystemExit(f"checkpoint holds {len(saved)} optimizer(s), this run has {len(inners)}")
-    for inner, entry in zip(inners, saved):
-        inner.load_state_dict(entry["state"])
-        params = [p for g in inner.param_groups for p in g["params"]]
-        with torch.no_grad():
-            for p, value in zip(params, entry["main_params"], strict=True):
-                p.copy_(value)
+def _keep_torch_adam_step() -> None:
+    """Let megatron-core's distributed optimizer load a fully_reshardable state into torch's Adam.
+
+    With torch's Adam (no apex / transformer-engine) each parameter's state holds a ``step``,
+    which the loader sets from the checkpoint's param groups and then skips among the loaded
+    tensors, but ``_set_main_param_and_optimizer_states`` copies every state key and fails on
+    ``step`` (KeyError, megatron-core 0.16.1): hand it the step it already holds.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = getattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", None)
+    if original is None or getattr(original, "_lce_train", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state.get(main, {}).get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    set_states._lce_train = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _torch_adamw_sharded_state(optimizer, model_sd, loading: bool) -> dict:
+    """lce_train.optimizer.TorchAdamW's state keyed like megatron's optimizers' (Adam's moments
+    and, for bf16 parameters, the fp32 main copies, each by its model parameter)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+
+    inner = optimizer.optimizer
+    model_param = {id(m): p for p, m in zip(optimizer.params, optimizer.master)}
+    mains = [m for group in inner.param_groups for m in group["params"]]
+    id_to_sharded = get_param_id_to_sharded_param_map(model_sd,
+                                                      (model_param[id(m)] for m in mains))
+    state = inner.state_dict()
+    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys="step")
+    if len(steps) > 1:
+        raise RuntimeError(f"TorchAdamW parameters are at different steps {sorted(steps)}")
+    main_values = [make_sharded_optimizer_tensor(id_to_sharded[i], m,
+                                                 prefix="optimizer.state.fp32_param")
+                   for i, m in enumerate(mains)]
+    return {"optimizer": state, "common_step": steps.pop() if steps else 0.0,
+            "fp32_param": main_values}
+
+
+def _load_torch_adamw(optimizer, loaded: dict) -> None:
+    inner = optimizer.optimizer
+    state = loaded["optimizer"]
+    for entry in state["state"].values():
+        entry["step"] = torch.tensor(float(loaded["common_step"]), dtype=torch.float32)
+    inner.load_state_dict(state)
+    mains = [m for group in inner.param_groups for m in group["params"]]
+    with torch.no_grad():
+        for m, value in zip(mains, loaded["fp32_param"], strict=True):
+            m.copy_(value)
+        for p, m in zip(optimizer.params, optimizer.master):
+            if p is not m:
+                p.copy_(m)
+
+
+def _optimizer_sharded_state(optimizer, model_sd, loading: bool) -> dict:
+    from lce_train.optimizer import TorchAdamW
+
+    if loading:
+        _allocate_adam_state(optimizer)
+        _keep_torch_adam_step()
+    if isinstance(optimizer, TorchAdamW):
+        return _torch_adamw_sharded_state(optimizer, model_sd, loading)
+    # megatron's optimizers take ``metadata`` (ChainedOptimizer through **kwargs) since 0.10.
+    return optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=SHARDING_METADATA)
+
+
+def _load_optimizer(optimizer, loaded: dict) -> None:
+    from lce_train.optimizer import TorchAdamW
+
+    if isinstance(optimizer, TorchAdamW):
+        _load_torch_adamw(optimizer, loaded)
+    else:
+        optimizer.load_state_dict(loaded)
+    _unshare_adam_steps(optimizer)
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give each parameter its own ``step`` tensor.
+
+    The distributed optimizer's loader hands one step tensor to every parameter's state, and
+    torch's Adam increments each parameter's step in place: shared, it would advance once per
+    parameter per step (and Adam's bias correction with it).
+    """
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _sharded_state(args, step, gpt, optimizer, *, loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    from lce_train.model import supported_kwargs
+
+    fn = gpt.sharded_state_dict
+    model_sd = fn(prefix="", **supported_kwargs(fn, metadata=SHARDING_METADATA))
+    state = {
+        "format": FORMAT,
+        "iteration": step,
+        "layout": layout(args),
+        "global_batch_size": args.global_batch_size,
+        "seed": args.seed,
+        "model": model_sd,
+        "optimizer": _optimizer_sharded_state(optimizer, model_sd, loading),
+    }
+    if with_rng:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", rng_state(), (world,), (rank,),
+                                           replica_id=0)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------
+
+
+def _tolerate_missing_psutil() -> None:
+    """megatron-core's torch_dist writer reads the process's memory through psutil only to log it
+    at debug level, and raises without psutil (not among megatron-core's requirements): log 0."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        filesystem_async._process_memory = lambda: 0
 
 
 def save_checkpoint(args, step, gpt, optimizer) -> None:
+    """Write SAVE/iter_<step>/ (all ranks), then the tracker file (rank 0)."""
+    from megatron.core import dist_checkpointing
+
+    _tolerate_missing_psutil()
+
     rank = torch.distributed.get_rank()
-    folder = Path(args.save) / f"iter_{step:07d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({
-        "step": step,
-        "layout": _layout(args),
-        "model": gpt.state_dict(),
-        "optimizer": _optimizer_state(optimizer),
-        "rng": rng_state(),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
-    }, folder / f"rank_{rank:05d}.pt")
+    folder = iteration_folder(args.save, step)
+    if rank == 0:
+        if folder.exists():
+            shutil.rmtree(folder)  # the same step saved again: dist_checkpointing wants it empty
+        folder.mkdir(parents=True)
+    torch.distributed.barrier()
+    state = _sharded_state(args, step, gpt, optimizer, loading=False, with_rng=True)
+    dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
     if rank == 0:
-        (Path(args.save) / "latest_checkpointed_iteration.txt").write_text(f"{step}\n")
+        # Written last and atomically: a crash mid-save leaves the previous step as the latest.
+        tmp = Path(args.save) / (TRACKER + ".tmp")
+        tmp.write_text(f"{step}\n")
+        tmp.replace(Path(args.save) / TRACKER)
     torch.distributed.barrier()
 
 
-def load_checkpoint(args, gpt, optimizer) -> int:
-    """Restore model, optimizer and RNG from ``--load``; returns the step to continue after."""
+def latest_step(root: Path) -> int:
+    """The step in ROOT/latest_checkpointed_iteration.txt, with an error naming what is wrong."""
+    if not root.is_dir():
+        raise SystemExit(f"--load {root}: no such directory")
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        saved = sorted(p.name for p in root.glob("iter_*"))
+        hint = f" (it holds {', '.join(saved[-3:])}: pass --ckpt-step N)" if saved else \
+            " (not a checkpoint directory written by --save)"
+        raise SystemExit(f"--load {root}: {tracker} not found{hint}")
+    text = tracker.read_text().strip()
+    try:
+        step = int(text)
+    except ValueError:
+        found = "an empty file" if not text else repr(text[:40])
+        raise SystemExit(f"{tracker}: expected the number of the last saved step (as Megatron-LM "
+                         f"writes it), found {found}; fix it or pass --ckpt-step N") from None
+    if step < 0:
+        raise SystemExit(f"{tracker}: step {step} is negative")
+    return step
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    """Refuse a folder that is not a complete dist_checkpointing checkpoint, naming it."""
+    from megatron.core import dist_checkpointing
+
+    if not folder.is_dir():
+        raise SystemExit(f"--load: {folder} does not exist")
+    if any(folder.glob("rank_*.pt")):
+        raise SystemExit(f"{folder} holds per-rank torch.save files (rank_*.pt), the launcher's "
+                         "format before megatron-core's dist_checkpointing; that format is not "
+                         "read any more: train again from the start, or load it with an earlier "
+                         "fused_lce at the same layout")
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(folder)):
+        raise SystemExit(f"{folder}: not a dist_checkpointing checkpoint "
+                         f"({folder / 'metadata.json'} is missing: the save did not finish, or "
+                         "this is not a checkpoint)")
+
+
+def _load_common(folder: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+    except Exception as err:  # a missing or unreadable common.pt
+        raise SystemExit(f"{folder}: cannot read the checkpoint's common state "
+                         f"({folder / 'common.pt'}): {type(err).__name__}: {err}") from None
+    if common.get("format") != FORMAT:
+        raise SystemExit(f"{folder}: a dist_checkpointing checkpoint, but not one of this launcher "
+                         f"(format {common.get('format')!r}, expected {FORMAT!r})")
+    return common
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of what went wrong, looking inside torch's per-rank CheckpointException."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        if isinstance(err, tuple):  # torch keeps each rank's (exception, traceback summary)
+            err = err[0]
+    return f"{type(err).__name__}: {err}".splitlines()[0][:400]
+
+
+def load_checkpoint(args, gpt, optimizer, log=print) -> int:
+    """Restore model, optimizer (and RNG at the same layout) from ``--load``; returns the step to
+    continue after."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = Path(args.load)
-    step = args.ckpt_step
-    if step is None:
-        tracker = root / "latest_checkpointed_iteration.txt"
-        if not tracker.exists():
-            raise SystemExit(f"--load {root}: no latest_checkpointed_iteration.txt")
-        step = int(tracker.read_text().strip())
-    path = root / f"iter_{step:07d}" / f"rank_{torch.distributed.get_rank():05d}.pt"
-    if not path.exists():
-        raise SystemExit(f"--load: {path} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["layout"] != _layout(args):
-        raise SystemExit(f"{path} was saved with layout {state['layout']}, this run is "
-                         f"{_layout(args)}: resume with the same parallel layout")
-    gpt.load_state_dict(state["model"])
-    _load_optimizer_state(optimizer, state["optimizer"])
-    set_rng_state(state["rng"])
-    return int(state["step"])
+    step = args.ckpt_step if args.ckpt_step is not None else latest_step(root)
+    folder = iteration_folder(root, step)
+    check_checkpoint_folder(folder)
+    common = _load_common(folder)
+    if common["global_batch_size"] != args.global_batch_size:
+        raise SystemExit(f"{folder} was saved with --global-batch-size "
+                         f"{common['global_batch_size']}, this run has {args.global_batch_size}: "
+                         "the data position is step-addressed, keep the global batch size")
+    same_layout = common["layout"] == layout(args)
+    request = _sharded_state(args, step, gpt, optimizer, loading=True, with_rng=same_layout)
+    try:
+        loaded = dist_checkpointing.load(request, str(folder))
+    # Missing shard files, mismatched shapes or keys; torch.distributed.checkpoint reports its
+    # ranks' failures as a CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as err:
+        first = _first_line(err)
+        raise SystemExit(f"{folder}: cannot load the checkpoint at this layout {layout(args)} "
+                         f"(saved at {common['layout']}): {first}") from None
+    gpt.load_state_dict(loaded["model"])
+    _load_optimizer(optimizer, loaded["optimizer"])
+    if same_layout:
+        set_rng_state(loaded["rng_state"])
+    else:
+        log(f"note        {folder} was saved at layout {common['layout']}, this run is "
+            f"{layout(args)}: model and optimizer resharded; RNG states start from the seed")
+    return int(common["iteration"])

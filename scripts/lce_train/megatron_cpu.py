@@ -61,6 +61,14 @@ _MODULES = (
      "found-inf / loss-scale tensors are created with device='cuda'"),
     ("megatron.core.optimizer.distrib_optimizer",
      "the distributed optimizer's shard buffers use torch.cuda.current_device()"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "dist_checkpointing's writer calls torch.cuda.synchronize() before copying tensors out"),
+    ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
+     "the save plan's agreement flags are allocated on the CUDA device"),
+    ("megatron.core.dist_checkpointing.strategies.async_utils",
+     "a synchronous save still calls torch.cuda.synchronize() and allocates on CUDA"),
+    ("megatron.core.dist_checkpointing.exchange_utils",
+     "shards exchanged between ranks on load are allocated on the CUDA device"),
 )
 
 # Tensor factories whose ``device=`` the stand-in maps from CUDA to the CPU.
@@ -296,6 +304,10 @@ _SCOPED = (
      _cuda_type_names, "accepts parameters only by the names 'torch.cuda.*Tensor'"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__",
      _cuda_type_names, "accepts parameters only by the names 'torch.cuda.*Tensor'"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+     "get_parameter_state_dp_zero", _cuda_is_cpu,
+     "moves each state shard to CUDA (send_tensor.cuda()) before gathering it on DP rank 0 "
+     "for a fully_reshardable checkpoint"),
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
      "setup_embeddings_and_output_layer", _cuda_is_cpu,
      "moves the tied embedding to CUDA (weight.data.cuda()) before syncing it over PP stages"),

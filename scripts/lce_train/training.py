@@ -109,7 +109,7 @@ def train(args, log=print) -> list[dict]:
 
     start = 0
     if args.load:
-        start = load_checkpoint(args, gpt, optimizer)
+        start = load_checkpoint(args, gpt, optimizer, log=say)
         say(f"resumed     from {args.load} at step {start}")
 
     data = TokenWindows(args.seq_length, args.model.vocab_size, args.seed, args.data_path)
