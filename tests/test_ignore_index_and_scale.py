@@ -62,21 +62,43 @@ def problem(ignore_index: int, seed: int, n=N):
     return hidden, weight, target, bias
 
 
-def objective(loss: torch.Tensor, upstream: str, seed: int) -> torch.Tensor:
-    """3 * loss, or for "none" a sum weighted by 3 or by a random weight per token."""
+def objective(loss: torch.Tensor, upstream: str, seed: int, lse=None) -> torch.Tensor:
+    """3 * loss, or for "none" a sum weighted by 3 or by a random weight per token; plus the lse
+    with random weights, when given."""
+    gen = torch.Generator().manual_seed(seed)
     if upstream == "scaled":
-        return SCALE * loss.sum()
-    weights = 0.5 + torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed),
-                               dtype=torch.float64)
-    return (loss * weights.to(loss.dtype)).sum()
+        total = SCALE * loss.sum()
+    else:
+        weights = 0.5 + torch.rand(loss.shape, generator=gen, dtype=torch.float64)
+        total = (loss * weights.to(loss.dtype)).sum()
+    if lse is not None:
+        total = total + (lse * torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+                         .to(lse.dtype)).sum()
+    return total
 
 
-def fp64_oracle(hidden, weight, target, bias, ignore_index, reduction, upstream, seed):
-    """(loss, {input, weight, bias} gradients) of torch's cross-entropy on fp64 logits."""
+def fp64_oracle(hidden, weight, target, bias, ignore_index, reduction, upstream, seed,
+                terms=None, with_lse=False):
+    """(loss, lse, {input, weight, bias} gradients) of torch's cross-entropy on fp64 logits.
+
+    ``terms``: softcap, label_smoothing and z_loss, written out here from their definitions
+    (fused_lce/options.py) rather than taken from the package. ``with_lse``: the lse (0 on
+    ignored tokens) enters the objective too.
+    """
+    terms = terms or {}
     h, w, b = (x.detach().double().requires_grad_() for x in (hidden, weight, bias))
-    loss = F.cross_entropy(h @ w.t() + b, target, ignore_index=ignore_index, reduction=reduction)
-    objective(loss, upstream, seed).backward()
-    return loss.detach(), {"input": h.grad, "weight": w.grad, "bias": b.grad}
+    logits = h @ w.t() + b
+    if terms.get("softcap"):
+        logits = terms["softcap"] * torch.tanh(logits / terms["softcap"])
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=terms.get("label_smoothing", 0.0))
+    valid = target != ignore_index
+    lse = torch.where(valid, torch.logsumexp(logits, dim=1), 0.0)
+    z_loss = terms.get("z_loss", 0.0) * lse**2
+    loss = loss + {"none": z_loss, "sum": z_loss.sum(), "mean": z_loss.sum() / valid.sum()}[
+        reduction]
+    objective(loss, upstream, seed, lse if with_lse else None).backward()
+    return loss.detach(), lse.detach(), {"input": h.grad, "weight": w.grad, "bias": b.grad}
 
 
 def check_run(loss, grads, expected_loss, expected_grads, ignored, label) -> None:
@@ -101,9 +123,36 @@ def test_single_device_matches_torch(path, ignore_index, reduction, upstream):
     loss = linear_cross_entropy(h, w, target, b, ignore_index=ignore_index, reduction=reduction,
                                 **options)
     objective(loss, upstream, seed).backward()
-    expected = fp64_oracle(hidden, weight, target, bias, ignore_index, reduction, upstream, seed)
+    expected_loss, _, expected_grads = fp64_oracle(hidden, weight, target, bias, ignore_index,
+                                                   reduction, upstream, seed)
     grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
-    check_run(loss, grads, *expected, ignored, path)
+    check_run(loss, grads, expected_loss, expected_grads, ignored, path)
+
+
+TERMS = dict(softcap=4.0, label_smoothing=0.1, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_every_term_and_the_lse_match_torch(path, reduction):
+    """Softcap, label smoothing and z-loss together, with a gradient through the returned lse
+    as well (chunk_by='tokens' returns an lse without one)."""
+    options = PATHS[path]
+    tokens = options.get("chunk_by") == "tokens"
+    if tokens and reduction == "none":
+        pytest.skip("chunk_by='tokens' takes scalar losses only")
+    seed = 23 if reduction == "mean" else 24
+    hidden, weight, target, bias = problem(7, seed)
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    loss, lse = linear_cross_entropy(h, w, target, b, ignore_index=7, reduction=reduction,
+                                     return_lse=True, **TERMS, **options)
+    upstream = "scaled" if reduction == "mean" else "random"
+    objective(loss, upstream, seed, None if tokens else lse).backward()
+    expected_loss, expected_lse, expected_grads = fp64_oracle(
+        hidden, weight, target, bias, 7, reduction, upstream, seed, TERMS, with_lse=not tokens)
+    assert_close_rel(lse, expected_lse, TOL, f"{path} lse")
+    grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
+    check_run(loss, grads, expected_loss, expected_grads, target == 7, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +162,10 @@ def test_single_device_matches_torch(path, ignore_index, reduction, upstream):
 S, B = 10, 3  # 30 tokens; with SP 5 positions a rank
 
 
-def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed: int) -> None:
+def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed: int,
+                   terms: dict | None = None) -> None:
+    """One call on this rank against its slice of the oracle; with ``terms`` the lse is
+    returned and enters the objective."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     ignore_index, reduction, upstream = case
@@ -124,33 +176,37 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
     h = hidden[s_lo:s_hi].clone().requires_grad_()
     w = weight[lo:hi].clone().requires_grad_()
     b = bias[lo:hi].clone().requires_grad_()
-    loss = vocab_parallel_linear_cross_entropy(
+    loss, lse = vocab_parallel_linear_cross_entropy(
         h, w, target, b, sequence_parallel=sp, impl=impl, ignore_index=ignore_index,
-        reduction=reduction)
-    objective(loss, upstream, seed).backward()
+        reduction=reduction, return_lse=True, **(terms or {}))
+    objective(loss, upstream, seed, lse.reshape(-1) if terms else None).backward()
     flat = (hidden.reshape(-1, D), weight, target.reshape(-1), bias)
-    expected_loss, full = fp64_oracle(*flat, ignore_index, reduction, upstream, seed)
+    expected_loss, expected_lse, full = fp64_oracle(*flat, ignore_index, reduction, upstream,
+                                                    seed, terms, with_lse=bool(terms))
+    label = f"tp={world} rank={rank} {impl} sp={sp} {case}{' terms' if terms else ''}"
+    assert_close_rel(lse.reshape(-1), expected_lse, TOL, f"{label} lse")
     expected = {"input": full["input"].reshape(S, B, D)[s_lo:s_hi], "weight": full["weight"][lo:hi],
                 "bias": full["bias"][lo:hi]}
     grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
     check_run(loss, grads, expected_loss.reshape(loss.shape), expected,
-              target[s_lo:s_hi] == ignore_index, f"tp={world} rank={rank} {impl} sp={sp} {case}")
+              target[s_lo:s_hi] == ignore_index, label)
 
 
 def _parallel_suite(rank: int, world: int) -> list[str]:
+    calls = [(impl, sp, case, seed, None) for impl in ("cce", "chunked") for sp in (False, True)
+             for seed, case in enumerate(CASES, start=31)]
+    calls += [(impl, True, (7, "none", "random"), 41, TERMS) for impl in ("cce", "chunked")]
     errors = []
-    for impl in ("cce", "chunked"):
-        for sp in (False, True):
-            for seed, case in enumerate(CASES, start=31):
-                try:
-                    _parallel_case(rank, world, impl, sp, case, seed)
-                except AssertionError as exc:
-                    errors.append(str(exc))
-                except Exception:
-                    # The ranks may be out of step in their collectives now: stop here.
-                    errors.append(f"rank={rank} {impl} sp={sp} {case} raised:\n"
-                                  + traceback.format_exc())
-                    return errors
+    for impl, sp, case, seed, terms in calls:
+        try:
+            _parallel_case(rank, world, impl, sp, case, seed, terms)
+        except AssertionError as exc:
+            errors.append(str(exc))
+        except Exception:
+            # The ranks may be out of step in their collectives now: stop here.
+            errors.append(f"rank={rank} {impl} sp={sp} {case} raised:\n"
+                          + traceback.format_exc())
+            return errors
     return errors
 
 
