@@ -62,7 +62,7 @@ def reference(hidden, weight, bias, target, *, softcap=None, upstream=None, **op
 
 def ours(hidden, weight, bias, target, path, *, train=True, upstream=None, **options):
     """(loss, d_hidden, d_weight, d_bias) on DEVICE, returned on the CPU."""
-    inputs = [t.to(DEVICE).requires_grad_(train) for t in (hidden, weight, bias)]
+    inputs = [t.to(DEVICE, copy=True).requires_grad_(train) for t in (hidden, weight, bias)]
     with torch.set_grad_enabled(train):
         loss = linear_cross_entropy(inputs[0], inputs[1], target.to(DEVICE), inputs[2],
                                     **PATHS[path], **options)
@@ -149,7 +149,7 @@ def test_rows_with_every_class_masked_give_what_torch_gives(path):
 TP_PATHS = ["cce-default", "cce-gemm", "cce-tiles", "chunked"]
 
 
-def _masked_shard_suite(rank: int, world: int) -> list[str]:
+def _masked_shard_suite(rank: int, world: int, device: str) -> list[str]:
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     errors = []
@@ -165,23 +165,26 @@ def _masked_shard_suite(rank: int, world: int) -> list[str]:
         if backward and backward != "default":
             options["backward"] = backward
         for train in (True, False):
-            x = hidden.clone().requires_grad_(train)
-            w = weight[lo:hi].clone().requires_grad_(train)
-            b = bias[lo:hi].clone().requires_grad_(train)
+            x = hidden.to(device, copy=True).requires_grad_(train)
+            w = weight[lo:hi].to(device, copy=True).requires_grad_(train)
+            b = bias[lo:hi].to(device, copy=True).requires_grad_(train)
             with torch.set_grad_enabled(train):
-                loss = vocab_parallel_linear_cross_entropy(x, w, target, b, **options)
+                loss = vocab_parallel_linear_cross_entropy(x, w, target.to(device), b, **options)
             label = f"tp={world} rank={rank} {name} {'train' if train else 'eval'}"
             grads = (None, None, None)
             if train:
                 loss.backward()
-                grads = (x.grad, w.grad, b.grad)
+                grads = (x.grad.cpu(), w.grad.cpu(), b.grad.cpu())
             wanted = (expected[0], expected[1], expected[2][lo:hi], expected[3][lo:hi])
             try:
-                assert_matches((loss.detach(), *grads), wanted)
+                assert_matches((loss.detach().cpu(), *grads), wanted)
             except AssertionError as error:
                 errors.append(f"{label}: {error}")
     return errors
 
 
 def test_vocab_parallel_with_a_fully_masked_shard(tmp_path):
-    run_on_ranks(2, _masked_shard_suite, out_dir=tmp_path, interpret=True)
+    # On a GPU machine both ranks share its GPU over gloo; elsewhere the interpreter runs them.
+    device = "cuda:0" if DEVICE == "cuda" else "cpu"
+    run_on_ranks(2, _masked_shard_suite, device, out_dir=tmp_path, timeout_s=300,
+                 interpret=DEVICE == "cpu")

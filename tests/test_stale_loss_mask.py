@@ -14,8 +14,11 @@ import torch
 from helpers_lce import make_problem
 
 from fused_lce import engine, linear_cross_entropy
+from fused_lce.kernels.common import INTERPRET
 
 N, V, D = 45, 203, 23
+# cce runs under the interpreter on CPU tensors, or on a GPU where there is one.
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
 @pytest.mark.parametrize("edit", ["halved", "shifted", "unchanged"])
@@ -27,8 +30,10 @@ def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, monkeypatch
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=7)
     mask = (torch.rand(N, generator=torch.Generator().manual_seed(1)) > 0.3).float()
 
-    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
-    loss = linear_cross_entropy(h, w, target, impl="cce", reduction="none", loss_mask=mask)
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    mask = mask.to(DEVICE)
+    loss = linear_cross_entropy(h, w, target.to(DEVICE), impl="cce", reduction="none",
+                                loss_mask=mask)
     if edit == "halved":
         mask[: N // 2] = 0.0
     elif edit == "shifted":
@@ -37,11 +42,11 @@ def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, monkeypatch
 
     h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
     expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
-    (expected * mask.double()).sum().backward()
+    (expected * mask.double().cpu()).sum().backward()
     assert len(walks) == 1
     assert len(recomputes) == (0 if edit == "unchanged" else 1)
     for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
-        err = (ours.double() - exact).norm() / exact.norm()
+        err = (ours.double().cpu() - exact).norm() / exact.norm()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
 
 
@@ -54,16 +59,18 @@ def test_proportional_upstream_uses_the_forward_gradients_despite_an_edit(edit, 
     monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "near-uniform", seed=8)
     mask = (torch.rand(N, generator=torch.Generator().manual_seed(2)) > 0.3).float()
-    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
-    loss = linear_cross_entropy(h, w, target, impl="cce", reduction="none", loss_mask=mask)
+    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
+    mask = mask.to(DEVICE)
+    loss = linear_cross_entropy(h, w, target.to(DEVICE), impl="cce", reduction="none",
+                                loss_mask=mask)
     applied = mask.clone()
     mask.zero_() if edit == "zeroed" else mask.copy_(mask.roll(1))
     (3.0 * loss * applied).sum().backward()
 
     h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
     expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
-    (3.0 * expected * applied.double()).sum().backward()
+    (3.0 * expected * applied.double().cpu()).sum().backward()
     assert len(walks) == 1 and not recomputes
     for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
-        err = (ours.double() - exact).norm() / exact.norm()
+        err = (ours.double().cpu() - exact).norm() / exact.norm()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
