@@ -5,6 +5,7 @@ The markers themselves are declared in pyproject.toml; this file only acts on th
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -16,9 +17,60 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+# Tests that launch the Triton kernels on CPU tensors (directly, or through impl="cce" on the CPU,
+# gloo ranks included) need the interpreter: these files and tests, and in the files of
+# CPU_KERNEL_IDS the parametrizations whose id names "cce". A new test of that kind elsewhere
+# says so with @pytest.mark.cpu_kernels; one in these files that launches none, with
+# @pytest.mark.cpu_kernels(False).
+CPU_KERNEL_TESTS = frozenset({
+    "test_cce.py", "test_cce_kernels.py", "test_forward_grad.py", "test_forward_grad_parallel.py",
+    "test_tma_option.py", "test_parallel_reliability.py",
+    "test_parallel.py::test_matches_single_device",
+    "test_megatron_adapter.py::test_the_loss_mask_reaches_the_op",
+    "test_ignore_index_and_scale.py::test_vocab_parallel_matches_torch",
+})
+CPU_KERNEL_IDS = frozenset({"test_reliability.py", "test_validation.py",
+                            "test_ignore_index_and_scale.py"})
+
+
+def cpu_kernels_skip_reason(interpret: bool, cuda: bool) -> str | None:
+    """Why a test that runs the kernels on CPU tensors cannot run here, or None where it can.
+
+    The interpreter is the only way to run them on CPU tensors; without it a launch fails with
+    "0 active drivers" (no GPU) or "Pointer argument cannot be accessed from Triton (cpu
+    tensor?)" (a GPU machine, where this file leaves TRITON_INTERPRET unset)."""
+    if interpret:
+        return None
+    rerun = "rerun with TRITON_INTERPRET=1 (set before Python starts) to run it"
+    if cuda:
+        return (f"runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1; "
+                f"this GPU machine runs the CUDA tests (requires_cuda); {rerun}")
+    return ("runs the Triton kernels on CPU tensors, and neither TRITON_INTERPRET=1 nor a GPU is "
+            f"here; {rerun}")
+
+
+def runs_kernels_on_cpu(item) -> bool:
+    if item.get_closest_marker("requires_cuda") or item.get_closest_marker("requires_gpus"):
+        return False
+    marker = item.get_closest_marker("cpu_kernels")
+    if marker is not None:
+        return marker.args[0] if marker.args else True
+    file = item.path.name
+    if file in CPU_KERNEL_TESTS or f"{file}::{item.originalname}" in CPU_KERNEL_TESTS:
+        return True
+    callspec = getattr(item, "callspec", None)
+    return (file in CPU_KERNEL_IDS and callspec is not None
+            and "cce" in re.split(r"[-_\[\]]", callspec.id))
+
+
 def pytest_collection_modifyitems(config, items):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from fused_lce.kernels.common import INTERPRET
+
+    cpu_kernels_reason = cpu_kernels_skip_reason(INTERPRET, n_gpus > 0)
     for item in items:
+        if cpu_kernels_reason and runs_kernels_on_cpu(item):
+            item.add_marker(pytest.mark.skip(reason=cpu_kernels_reason))
         if item.get_closest_marker("requires_cuda") and n_gpus == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         marker = item.get_closest_marker("requires_gpus")

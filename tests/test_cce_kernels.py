@@ -721,6 +721,7 @@ sys.stdout.write(compiled.asm["ptx"])
 """
 
 
+@pytest.mark.cpu_kernels(False)  # compiles in a child process; runs nothing on CPU tensors
 def test_kept_gradient_kernel_compiles_without_fp64(tmp_path):
     """The kept-logits G kernel, compiled for Hopper (no GPU needed: Triton's own ptxas), does
     fp32 math only and spills nothing. A float literal below fp32's normal range made its
