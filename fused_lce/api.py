@@ -19,6 +19,7 @@ from torch import nn
 # validate, resolve_impl, class_ids and check_target_range live in checks.py, shared with the
 # vocab-parallel layer; they stay importable from here.
 from .checks import (  # noqa: F401
+    check_flag,
     check_loss_mask,
     check_target_range,
     class_ids,
@@ -75,16 +76,18 @@ def linear_cross_entropy(
         softcap: cap logits with ``softcap * tanh(x / softcap)``; None for no cap.
         z_loss: coefficient of ``lse**2`` per token.
         impl: "auto", "cce", "chunked" or "torch".
-        return_lse: also return the (differentiable) per-token log-sum-exp, shape ``target``,
-            fp32; 0 for ignored tokens.
+        return_lse: also return the per-token log-sum-exp, shape ``target``, fp32; 0 for
+            ignored tokens. Differentiable, except with ``impl="chunked", chunk_by="tokens"``,
+            whose lse carries no gradient (its gradients are formed in the forward).
         num_classes: weight rows at or past this index are vocabulary padding, not classes.
         backward: cce backward, "auto", "gemm" (gradient chunks + GEMMs) or "tiles" (fused
             tile kernel with gradient filtering and vocab sorting).
         filter_eps: tiles backward filtering: "safe" (default), "paper", a float, or None (off).
         vocab_sort: tiles backward: walk the vocabulary by mean logit so negligible tiles cluster.
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
-        round_logits: cce: round each logit to the 16-bit input dtype before the softmax, as
-            a layer that stores bf16 logits does (off: exact fp32 logits).
+        round_logits: cce: round each bf16 logit to bf16 before the softmax, as a layer that
+            stores bf16 logits does (off: exact fp32 logits). fp16 logits are always rounded
+            to fp16, so a logit past 65504 gives a non-finite loss on every path, as in torch.
         recompute_logits: cce: False keeps the logits (as 16-bit exponentials, N x V) from the
             forward so the backward skips recomputing them: faster, at a bf16 logits tensor's
             memory.
@@ -98,16 +101,22 @@ def linear_cross_entropy(
             (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
         tma: cce: False keeps the pointer kernels rather than TMA tensor descriptors (env
             FUSED_LCE_TMA=0); None: the environment's choice, on by default.
-        check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs).
+        check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs;
+            False for tensors on the meta device, which hold no values).
 
     Returns:
         The loss (fp32; fp64 for fp64 inputs), and with ``return_lse`` the pair (loss, lse).
 
     Per-token losses of confident tokens keep fp32's relative precision, as torch's do
     (fused_lce.terms). Any strides are accepted. With D = 0 the logits are the bias (or 0), as
-    torch gives. Second-order gradients (``create_graph=True``) work with ``impl="torch"``
-    only; the other backwards raise a RuntimeError saying so.
+    torch gives. Second-order gradients (``create_graph=True``), ``torch.func`` transforms
+    (vmap, grad, jacrev, ...) and batched gradients (``is_grads_batched=True``) work with
+    ``impl="torch"``; the other impls raise a RuntimeError saying so (``chunk_by="tokens"``
+    takes batched gradients). On the meta device only ``impl="torch"`` runs (shapes and dtypes,
+    with ``check_targets=False``).
     """
+    check_flag("return_lse", return_lse)
+    check_flag("check_targets", check_targets)
     opts = LCEOptions(
         ignore_index=ignore_index,
         reduction=reduction,
@@ -142,8 +151,10 @@ class LinearCrossEntropy(nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
-        self.return_lse = bool(options.pop("return_lse", False))
-        self.check_targets = bool(options.pop("check_targets", True))
+        self.return_lse = options.pop("return_lse", False)
+        self.check_targets = options.pop("check_targets", True)
+        check_flag("return_lse", self.return_lse)
+        check_flag("check_targets", self.check_targets)
         self.options = LCEOptions(**options)
 
     def forward(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .options import LCEOptions
+from .terms import refuse_function_transforms
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,8 +73,16 @@ def validate(
             f"num_classes ({n_classes}) must be at most weight's number of rows {weight.shape[0]}"
         )
     impl = resolve_impl(opts, input.device, input.dtype)
+    if impl != "torch":
+        refuse_function_transforms(f"impl={impl!r}", input, weight, target, bias)
     if impl == "cce":
         _check_cce_supported(input)
+    if impl == "chunked" and input.device.type == "meta":
+        raise ValueError(
+            "impl='chunked' (impl='auto' off CUDA) reads the targets' values, which tensors on "
+            "the meta device do not hold: use cpu or cuda tensors, or impl='torch' (on meta: "
+            "shapes and dtypes only, with check_targets=False)"
+        )
     if impl == "chunked" and opts.chunk_by == "tokens" and opts.reduction == "none":
         raise ValueError(
             "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "
@@ -81,6 +90,13 @@ def validate(
         )
     if check_targets:
         check_target_range(target, opts.ignore_index, n_classes)
+
+
+def check_flag(name: str, value: object) -> None:
+    """A switch of the call that is not an ``LCEOptions`` field (``return_lse``,
+    ``check_targets``): a bool, as LCEOptions requires of its own, not anything truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def check_loss_mask(
@@ -112,6 +128,11 @@ def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) 
     """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
     if target.numel() == 0:
         return
+    if target.device.type == "meta":
+        raise ValueError(
+            "check_targets=True reads the targets' values, which tensors on the meta device do "
+            "not hold: pass check_targets=False"
+        )
     target = class_ids(target)
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bool(bad.any()):

@@ -85,7 +85,7 @@ def shard_statistics(
         softcap=opts.softcap,
         want_row_sum=opts.label_smoothing > 0,
         want_col_sum=want_col_sum,
-        round_16bit=opts.round_logits,
+        round_16bit=opts.rounds_logits(hidden.dtype),
         keep_logits=keeps_logits(opts),
         tma=opts.tma_allowed,
     )
@@ -140,7 +140,7 @@ def shard_backward(
             want_bias=needs[2],
             d_hidden_dtype=d_hidden_dtype,
             d_weight_accumulator=d_weight_accumulator,
-            round_16bit=opts.round_logits,
+            round_16bit=opts.rounds_logits(hidden.dtype),
             kept=kept,
             tma=opts.tma_allowed,
         )
@@ -167,7 +167,7 @@ def shard_backward(
         want_weight=needs[1],
         want_bias=needs[2],
         d_hidden_dtype=d_hidden_dtype,
-        round_16bit=opts.round_logits,
+        round_16bit=opts.rounds_logits(hidden.dtype),
     )
     return _into_accumulator(grads, d_weight_accumulator)
 

@@ -71,10 +71,12 @@ def _env_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(
-            f"environment variable {name} must be a positive number, got {raw!r}"
+            f"environment variable {name} must be a finite positive number, got {raw!r}"
         ) from None
-    if not value > 0:
-        raise ValueError(f"environment variable {name} must be a positive number, got {raw!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"environment variable {name} must be a finite positive number, got {raw!r}"
+        )
     return value
 
 
@@ -122,11 +124,14 @@ class LCEOptions:
     """Walk the vocabulary in order of mean logit in the tiles backward, so negligible tiles
     cluster (only used when filtering is on; off under ``deterministic``)."""
     round_logits: bool = False
-    """cce, recomputing backwards: round each logit ``input @ weight.T`` to the 16-bit input
-    dtype before bias, soft-capping and the fp32 softmax, as a layer that stores its logits in
-    bf16 (megatron's output layer, torch's eager path) does. Off: those kernels keep exact fp32
+    """cce, recomputing backwards: round each bf16 logit ``input @ weight.T`` to bf16 before
+    bias, soft-capping and the fp32 softmax, as a layer that stores its logits in bf16
+    (megatron's output layer, torch's eager path) does. Off: those kernels keep exact fp32
     logits. The gradient-in-forward backward (the default) stores its logits in 16 bits, so it
-    always rounds, as do the chunked and torch impls; fp32 inputs are never rounded."""
+    always rounds, as do the chunked and torch impls; fp32 inputs are never rounded. fp16
+    logits are always rounded to fp16, on every path, in training and in evaluation alike
+    (``rounds_logits``): a logit past fp16's 65504 is then inf and the loss not finite, as in
+    torch, rather than finite on some paths only."""
     recompute_logits: bool = True
     """cce, gemm backward: False keeps every logit from the forward, as exp(logit - running max)
     in 16 bits (2 bytes a logit, N x V, plus an fp32 max per row and 256 columns), so the backward
@@ -223,8 +228,8 @@ class LCEOptions:
             )
         if self.scratch_mb is not None:
             _check_float("scratch_mb", self.scratch_mb)
-            if not self.scratch_mb > 0:
-                raise ValueError(f"scratch_mb must be > 0, got {self.scratch_mb}")
+            if not (self.scratch_mb > 0 and math.isfinite(self.scratch_mb)):
+                raise ValueError(f"scratch_mb must be > 0 and finite, got {self.scratch_mb}")
         if self.tma is not None and not isinstance(self.tma, bool):
             raise TypeError(f"tma must be a bool or None, got {self.tma!r}")
         self._resolve_environment()
@@ -272,6 +277,13 @@ class LCEOptions:
     def tma_allowed(self) -> bool:
         """``tma``, or FUSED_LCE_TMA where it is None, as read when the options were built."""
         return self._tma
+
+    def rounds_logits(self, dtype: torch.dtype) -> bool:
+        """Whether the cce kernels round each logit to ``dtype`` (16-bit inputs): where
+        ``round_logits`` asks, and always for fp16, whose logits the default backward stores in
+        fp16 (a logit past 65504 overflows there, as in torch): so every path, and evaluation
+        too, computes the same loss from the same rounded logits."""
+        return self.round_logits or dtype == torch.float16
 
     def filter_mode(self, dtype: torch.dtype) -> tuple[str, float]:
         """("off" | "mass" | "entry", threshold) for inputs of ``dtype``."""

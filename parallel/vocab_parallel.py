@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fused_lce.checks import check_loss_mask, class_ids, resolve_impl, validate
+from fused_lce.checks import check_flag, check_loss_mask, class_ids, resolve_impl, validate
 from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, without_backward_options
 
@@ -129,6 +129,9 @@ def vocab_parallel_linear_cross_entropy(
     # waiting in the forward's first collective.
     error, opts, targets = None, None, None
     try:
+        for name, flag in (("return_lse", return_lse), ("check_targets", check_targets),
+                           ("debug", debug)):
+            check_flag(name, flag)
         opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
                            vocab_start_index, vocab_size, weight_grad_accumulator)
         check_loss_mask(loss_mask, target, opts.reduction)
