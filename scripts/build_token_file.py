@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Build a token file for scripts/pretrain_gpt.py --data-path from text already on this machine.
+"""Build a Megatron indexed dataset (.bin + .idx) for scripts/pretrain_gpt.py --data-path from
+text already on this machine.
 
     python scripts/build_token_file.py --out data/stdlib                  # Python's stdlib, bytes
 

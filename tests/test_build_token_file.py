@@ -2,7 +2,9 @@
 
 A tiny corpus in a temporary folder (40 small generated files plus a duplicate, an empty file, a
 non-UTF-8 file and one that mentions the end-of-document token) is tokenized in well under a
-second. The BPE tests skip where HuggingFace tokenizers is not installed (`pip install -e .[data]`).
+second. The outputs are Megatron indexed datasets (.bin + .idx, read back with megatron-core's
+IndexedDataset: one document per file). The BPE tests skip where HuggingFace tokenizers is not
+installed (`pip install -e .[data]`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,16 @@ def test_split_is_deterministic_per_file(tmp_path):
     assert [d.name for d in capped] == full_order[:len(capped)] and len(capped) < len(full_order)
 
 
+def _documents(prefix: Path) -> list[np.ndarray]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    # Copies: the arrays are views of a memory map that closes with the dataset.
+    return [np.array(dataset[i]) for i in range(len(dataset))]
+
+
 def test_byte_split_without_tokenizers(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
     _write_corpus(tmp_path)
     out = _build(tmp_path, "--valid-fraction", "0.3", "--ext", ".py", ".md")
@@ -85,12 +96,18 @@ def test_byte_split_without_tokenizers(tmp_path, monkeypatch):
         tokens = btf.read_tokens(prefix)
         assert meta["split"] == split and meta["num_tokens"] == len(tokens)
         assert int((tokens == btf.EOD).sum()) == meta["files"]
+        # Megatron's format: one document per file, each ending in the end-of-document id.
+        docs = _documents(prefix)
+        assert len(docs) == meta["files"] == meta["documents"]
+        assert all(doc[-1] == btf.EOD and btf.EOD not in doc[:-1] for doc in docs)
+        assert np.array_equal(np.concatenate(docs), tokens)
     with pytest.raises(SystemExit, match=r"pip install -e \.\[data\]"):
         _build(tmp_path, "--tokenizer", "bpe")
 
 
 def test_bpe_round_trip_vocab_and_split(tmp_path):
     pytest.importorskip("tokenizers")
+    pytest.importorskip("megatron.core")
     names = _write_corpus(tmp_path)
     fraction = 0.3
     valid_file = tmp_path / "src" / _valid_name(names, fraction).removeprefix("src/")
@@ -128,4 +145,5 @@ def test_bpe_round_trip_vocab_and_split(tmp_path):
     unpacked = btf.unpack(out.with_name("corpus_train"), tmp_path / "unpacked")
     assert np.array_equal(btf.read_tokens(unpacked), btf.read_tokens(out.with_name("corpus_train")))
     assert json.loads(unpacked.with_name("corpus_train.json").read_text())["num_tokens"] > 0
+    assert np.array_equal(np.concatenate(_documents(unpacked)), btf.read_tokens(unpacked))
     assert btf.unpack(unpacked, tmp_path / "elsewhere") == unpacked

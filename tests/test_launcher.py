@@ -197,9 +197,9 @@ def test_learning_rate_schedule():
 
 def test_mock_data_is_seeded_and_step_addressed():
     args = arguments.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
-    data = TokenWindows(32, 1000, seed=7, data_path=None)
+    data = TokenWindows(32, 1000, seed=7)
     a = [b["tokens"] for b in data.microbatches(3, args, 0, "cpu")]
-    b = [b["tokens"] for b in TokenWindows(32, 1000, 7, None)
+    b = [b["tokens"] for b in TokenWindows(32, 1000, 7)
          .microbatches(3, args, 0, "cpu")]
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b))
     other = next(data.microbatches(4, args, 0, "cpu"))["tokens"]
@@ -424,9 +424,9 @@ def test_eval_and_probe_flag_checks(tmp_path):
 
 def test_held_out_windows_are_fixed_and_separate():
     args = arguments.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
-    train = TokenWindows(32, 1000, seed=7, data_path=None)
-    held_out = TokenWindows(32, 1000, seed=7, data_path=None, held_out=True)
-    other_seed = TokenWindows(32, 1000, seed=8, data_path=None, held_out=True)
+    train = TokenWindows(32, 1000, seed=7)
+    held_out = TokenWindows(32, 1000, seed=7, held_out=True)
+    other_seed = TokenWindows(32, 1000, seed=8, held_out=True)
     assert torch.equal(held_out.zipf_ids, train.zipf_ids)  # the training distribution
     # The same draws for every seed (through each seed's permutation of the vocabulary).
     ranks = torch.argsort(held_out.zipf_ids)[held_out.sample(3)]

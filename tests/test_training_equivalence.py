@@ -43,12 +43,16 @@ def test_matrix_commands_parse_with_the_launcher(tmp_path):
     assert exp.matrix_variants == ["native", "cce", "cce-paper"] and len(exp.seeds) >= 2
     assert exp.corpora["zipf"]["vocab-size"] >= 256000
     assert exp.corpora["text"]["vocab-size"] >= 131072
-    # Stand-in token files with the text corpus's vocabulary (ids up to 131071).
+    # Stand-in indexed datasets with the text corpus's vocabulary (ids up to 131071).
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     prefix = exp.corpora["text"]["data"]
     for split in ("train", "valid"):
         path = tmp_path / f"{prefix}_{split}"
-        np.arange(0, 131072, 7, dtype=np.uint32).tofile(f"{path}.bin")
-        Path(f"{path}.json").write_text(json.dumps({"vocab_size": 131072, "dtype": "uint32"}))
+        builder = IndexedDatasetBuilder(f"{path}.bin", dtype=np.int32)
+        builder.add_document(np.arange(0, 131072, 7), [len(range(0, 131072, 7))])
+        builder.finalize(f"{path}.idx")
+        Path(f"{path}.json").write_text(json.dumps({"vocab_size": 131072, "dtype": "int32"}))
     data = eq.prepare_data(exp, ["text", "zipf"], tmp_path, tmp_path / "cache")
     flags = {}
     for variant in exp.matrix_variants:

@@ -17,7 +17,7 @@ import torch
 
 from fused_lce.parallel import megatron as lce_megatron
 from lce_train.configs import known_models, load_model_config
-from lce_train.data import token_file_meta
+from lce_train.data import check_data_vocab, describe_blend
 from lce_train.pp_memory import stage_layer_counts
 
 IMPLS_MEGATRON = ("native", "te")
@@ -120,8 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--mock-data", action="store_true",
                      help="seeded synthetic sequences (the default when no --data-path)")
-    src.add_argument("--data-path", default=None,
-                     help="token file prefix: PREFIX.bin (flat uint16/uint32) + PREFIX.json")
+    src.add_argument("--data-path", nargs="+", default=None,
+                     help="Megatron indexed dataset: PREFIX (PREFIX.bin + PREFIX.idx, from "
+                          "Megatron-LM's tools/preprocess_data.py or scripts/build_token_file.py)"
+                          ", or a blend 'W1 PREFIX1 W2 PREFIX2 ...' as in Megatron-LM")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where megatron's GPTDataset keeps its index caches (default: cache/ "
+                        "beside the data)")
 
     # One flag per option of the op, derived from LCEOptions (the same flags as Megatron-LM's
     # route, fused_lce.parallel.megatron_lm).
@@ -129,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         p, "cce options (with --cross-entropy-fusion-impl cce or linear)")
 
     g = p.add_argument_group("evaluation and probes")
-    g.add_argument("--valid-data-path", default=None,
-                   help="validation token file prefix (with --mock-data: a held-out stream of the "
-                        "same distribution)")
+    g.add_argument("--valid-data-path", nargs="+", default=None,
+                   help="validation indexed dataset (a prefix or a blend, as --data-path; with "
+                        "--mock-data: a held-out stream of the same distribution)")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every K steps and at the end (default: never)")
     g.add_argument("--eval-iters", type=int, default=10,
@@ -238,11 +243,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if not args.mock_data and args.data_path is None:
         args.mock_data = True
     if args.data_path is not None:
-        meta = token_file_meta(args.data_path)
-        if meta["vocab_size"] > args.model.vocab_size:
-            raise SystemExit(f"{args.data_path}: token vocabulary {meta['vocab_size']} exceeds "
-                             f"the model's {args.model.vocab_size}; pass --vocab-size "
-                             f"{meta['vocab_size']}")
+        check_data_vocab(args.data_path, "--data-path", args.model.vocab_size)
     if args.save_interval is not None and args.save is None:
         raise SystemExit("--save-interval needs --save DIR")
     _check_eval_and_probes(args)
@@ -264,10 +265,7 @@ def _check_eval_and_probes(args) -> None:
         if value is not None and value <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if args.valid_data_path is not None:
-        meta = token_file_meta(args.valid_data_path)
-        if meta["vocab_size"] > args.model.vocab_size:
-            raise SystemExit(f"{args.valid_data_path}: token vocabulary {meta['vocab_size']} "
-                             f"exceeds the model's {args.model.vocab_size}")
+        check_data_vocab(args.valid_data_path, "--valid-data-path", args.model.vocab_size)
     if args.eval_interval and args.data_path is not None and args.valid_data_path is None:
         raise SystemExit("--eval-interval with --data-path needs --valid-data-path (held-out "
                          "text); mock data draws its held-out stream itself")
@@ -352,13 +350,14 @@ def describe(args) -> str:
         f"({args.lr_decay_style}, warmup {args.lr_warmup_iters}), wd {args.weight_decay:g}, "
         f"clip {args.clip_grad:g}, {'bf16' if args.bf16 else 'fp32'} params"
         f"{', distributed' if args.use_distributed_optimizer else ''}",
-        f"data        {'mock (seeded)' if args.mock_data else args.data_path}, "
+        f"data        {'mock (seeded)' if args.mock_data else describe_blend(args.data_path)}, "
         f"{args.train_iters} steps, seed {args.seed}",
         f"checkpoint  save {args.save or '-'} (every {args.save_interval or 'end'}), "
         f"load {args.load or '-'}",
     ]
     if args.eval_interval:
-        source = args.valid_data_path or "held-out mock stream"
+        source = describe_blend(args.valid_data_path) if args.valid_data_path else \
+            "held-out mock stream"
         lines.append(f"evaluation  every {args.eval_interval} steps and at the end: "
                      f"{args.eval_iters} global batches of {source}")
     if args.probe_interval:

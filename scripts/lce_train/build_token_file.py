@@ -1,4 +1,5 @@
-"""Build a token file for scripts/pretrain_gpt.py --data-path from text already on this machine.
+"""Build a Megatron indexed dataset (.bin + .idx) for scripts/pretrain_gpt.py --data-path from
+text already on this machine.
 
     python scripts/build_token_file.py --out data/stdlib                  # Python's stdlib, bytes
     python scripts/build_token_file.py --out data/stdlib_words --tokenizer word --vocab-size 8192
@@ -21,10 +22,14 @@ below F (deterministic: a file's split does not depend on what else is read), an
 (word, bpe) is built from the training files only. Outputs, with PREFIX = OUT, or OUT_train and
 OUT_valid when splitting:
 
-    PREFIX.bin    every file's tokens followed by the end-of-document id, as one flat array of
-                  uint16 (vocabulary <= 65536) or uint32; PREFIX.bin.xz instead with --xz
+    PREFIX.bin    Megatron's indexed dataset, written by megatron-core's IndexedDatasetBuilder:
+    PREFIX.idx    one document per file, its tokens followed by the end-of-document id, uint16
+                  (vocabulary < 65500) or int32, as Megatron-LM's tools/preprocess_data.py
+                  --append-eod writes them; PREFIX.bin.xz instead of PREFIX.bin with --xz
     PREFIX.json   {"vocab_size", "dtype", "num_tokens", "tokenizer", "eod_id", "files",
-                   "text_bytes", "sources", "sha256" (of the uncompressed .bin), "split", ...}
+                   "text_bytes", "sources", "sha256" (of the uncompressed .bin), "split", ...}:
+                  what the launcher checks (the vocabulary) and decode() needs; Megatron-LM
+                  itself reads only .bin + .idx
     OUT_files.tsv the manifest: split, bytes, sha1 and name of every file used, in order
     OUT_tokenizer.json   (bpe) the HuggingFace tokenizer
 
@@ -39,6 +44,8 @@ Tokenizers (all decodable):
            tokenizers to --vocab-size ids (min. pair frequency 2); id 0 is the end-of-document
            token <|endoftext|>, which a literal "<|endoftext|>" in the text never produces.
            Needs `pip install -e .[data]` (tokenizers, pinned in setup.py).
+
+Writing needs megatron-core (`pip install -e .[megatron]`).
 """
 
 from __future__ import annotations
@@ -257,7 +264,8 @@ def load_meta(prefix: str | Path) -> dict:
 
 
 def read_tokens(prefix: str | Path) -> np.ndarray:
-    """The tokens of PREFIX.bin, or of PREFIX.bin.xz when only the compressed file exists."""
+    """All tokens of PREFIX.bin (documents in order), or of PREFIX.bin.xz when only the compressed
+    file exists."""
     meta = load_meta(prefix)
     path = Path(meta["bin"])
     data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
@@ -265,8 +273,9 @@ def read_tokens(prefix: str | Path) -> np.ndarray:
 
 
 def unpack(prefix: str | Path, into: str | Path) -> Path:
-    """Decompress PREFIX.bin.xz (checked against its sha256) into ``into``; returns the new
-    prefix. A prefix whose .bin exists is returned as it is."""
+    """Decompress PREFIX.bin.xz (checked against its sha256) into ``into``, beside copies of
+    PREFIX.idx and PREFIX.json; returns the new prefix. A prefix whose .bin exists is returned as
+    it is."""
     prefix = Path(prefix)
     if prefix.with_name(prefix.name + ".bin").exists():
         return prefix
@@ -280,6 +289,8 @@ def unpack(prefix: str | Path, into: str | Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     out.with_name(out.name + ".json").write_text(json.dumps(meta))
+    index = prefix.with_name(prefix.name + ".idx").read_bytes()
+    out.with_name(out.name + ".idx").write_bytes(index)
     return out
 
 
@@ -287,16 +298,46 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _indexed_dataset_builder():
+    try:
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    except ImportError as err:
+        raise SystemExit(f"writing Megatron's indexed format needs megatron-core ({err}): "
+                         "pip install -e .[megatron]") from None
+    return DType, IndexedDatasetBuilder
+
+
+def write_documents(prefix: Path, tokens: np.ndarray, eod_id: int, vocab_size: int) -> int:
+    """PREFIX.bin + PREFIX.idx through megatron-core's IndexedDatasetBuilder: one document per
+    run of tokens ending in ``eod_id``. Returns the number of documents."""
+    dtype_enum, builder_cls = _indexed_dataset_builder()
+    builder = builder_cls(str(prefix.with_name(prefix.name + ".bin")),
+                          dtype=dtype_enum.optimal_dtype(vocab_size))
+    ends = (np.flatnonzero(tokens == eod_id) + 1).tolist()
+    if not ends or ends[-1] != len(tokens):
+        ends.append(len(tokens))
+    start = 0
+    for end in ends:
+        if end > start:
+            builder.add_document(tokens[start:end], [end - start])
+        start = end
+    builder.finalize(str(prefix.with_name(prefix.name + ".idx")))
+    return len(ends)
+
+
 def write_token_file(prefix: Path, tokens: np.ndarray, meta: dict, compress: bool) -> dict:
-    dtype = np.uint16 if meta["vocab_size"] <= 2**16 else np.uint32
-    data = tokens.astype(dtype).tobytes()
-    meta = {**meta, "dtype": np.dtype(dtype).name, "num_tokens": int(tokens.size),
-            "sha256": _sha256(data)}
+    dtype_enum, _ = _indexed_dataset_builder()
+    documents = write_documents(prefix, tokens, meta["eod_id"], meta["vocab_size"])
+    raw = prefix.with_name(prefix.name + ".bin")
+    data = raw.read_bytes()
+    meta = {**meta, "dtype": np.dtype(dtype_enum.optimal_dtype(meta["vocab_size"])).name,
+            "num_tokens": int(tokens.size), "documents": documents, "sha256": _sha256(data),
+            "format": "megatron indexed dataset (.bin + .idx)"}
     if compress:
         data = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
         meta["compressed"] = "xz"
-    suffix = ".bin.xz" if compress else ".bin"
-    prefix.with_name(prefix.name + suffix).write_bytes(data)
+        raw.with_name(raw.name + ".xz").write_bytes(data)
+        raw.unlink()
     meta["stored_bytes"] = len(data)
     prefix.with_name(prefix.name + ".json").write_text(json.dumps(meta))
     return meta
@@ -316,7 +357,8 @@ def main(argv=None) -> int:
     p.add_argument("--source", action="append", default=None,
                    help="folder to read (repeatable); default: " + default_source())
     p.add_argument("--ext", nargs="+", default=[".py", ".md", ".rst", ".txt"])
-    p.add_argument("--out", required=True, help="output prefix: writes OUT.bin and OUT.json")
+    p.add_argument("--out", required=True,
+                   help="output prefix: writes OUT.bin, OUT.idx and OUT.json")
     p.add_argument("--tokenizer", choices=("byte", "word", "bpe"), default="byte")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="word (default 8192) and bpe (default 131072) tokenizers")

@@ -8,11 +8,10 @@ import time
 import traceback
 from functools import partial
 
-import numpy as np
 import torch
 
 from lce_train.checkpoint import rng_state, set_rng_state
-from lce_train.data import TokenWindows, token_file_meta
+from lce_train.data import TokenWindows, token_counts
 from lce_train.model import loss_func, supported_kwargs
 
 
@@ -29,10 +28,7 @@ class SeenTokens:
         self.vocab = args.padded_vocab_size
         self.fixed = args.data_path is not None
         if self.fixed:
-            meta = token_file_meta(args.data_path)
-            tokens = np.memmap(meta["bin"], dtype=np.dtype(meta["dtype"]), mode="r")
-            counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=self.vocab)
-            self.counts = torch.from_numpy(counts).to(device)
+            self.counts = token_counts(args.data_path, self.vocab).to(device)
         else:
             self.counts = torch.zeros(self.vocab, dtype=torch.int64, device=device)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lce_train.arguments import parse_args as parse_launcher_args
-from lce_train.data import TokenWindows
+from lce_train.data import training_data
 from lce_train.model import forward_step, init_distributed, quiet_known_warnings, supported_kwargs
 from lce_train.training import build_training
 
@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     reporter = torch.distributed.get_rank() == 0
-    data = TokenWindows(args.seq_length, args.model.vocab_size, args.seed, args.data_path)
+    data = training_data(args)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     def step(micro_batch: int, update: bool) -> None:

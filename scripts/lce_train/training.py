@@ -16,7 +16,7 @@ import torch
 
 from lce_train.arguments import describe, parse_args
 from lce_train.checkpoint import load_checkpoint, save_checkpoint
-from lce_train.data import TokenWindows
+from lce_train.data import training_data, validation_data
 from lce_train.evaluation import (
     OutputLayerTap,
     SeenTokens,
@@ -112,11 +112,8 @@ def train(args, log=print) -> list[dict]:
         start = load_checkpoint(args, gpt, optimizer, log=say)
         say(f"resumed     from {args.load} at step {start}")
 
-    data = TokenWindows(args.seq_length, args.model.vocab_size, args.seed, args.data_path)
-    valid = None
-    if args.eval_interval:
-        valid = TokenWindows(args.seq_length, args.model.vocab_size, args.seed,
-                             args.valid_data_path, held_out=True)
+    data = training_data(args)
+    valid = validation_data(args) if args.eval_interval else None
     seen = SeenTokens(args, device) if args.probe_interval and last_stage else None
     tap = OutputLayerTap(gpt) if args.probe_interval and reporter else None
     first_batch: dict = {}
