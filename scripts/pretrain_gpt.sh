@@ -22,6 +22,8 @@
 #   NGPU         processes per node [GPUs visible, or 2 on a CPU-only machine]
 #   NNODES       nodes [1]; NODE_RANK this node's index [0]
 #   MASTER_ADDR  rendezvous host [localhost]; MASTER_PORT [29500]; RDZV_ID job id [fused_lce]
+#   LOCAL_ADDR   this node's address as the others reach it (torchrun --local-addr) [its
+#                hostname]; RDZV_TIMEOUT seconds to wait for all nodes to join [600]
 #   CONFIG       model shape: configs/models/<CONFIG>.yaml or a path [tiny]
 #   LOG_RANK     if set, show only these local ranks' output (torchrun --local-ranks-filter);
 #                the progress line comes from the first rank of the last pipeline stage
@@ -57,7 +59,11 @@ fi
 launch=(--nnodes "$NNODES" --nproc-per-node "$NGPU")
 if [ "$NNODES" -gt 1 ]; then
     launch+=(--node-rank "$NODE_RANK" --rdzv-backend c10d
-             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")
+             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+             --rdzv-conf "join_timeout=${RDZV_TIMEOUT:-600}")
+    if [ -n "${LOCAL_ADDR:-}" ]; then
+        launch+=(--local-addr "$LOCAL_ADDR")
+    fi
 else
     launch+=(--standalone)
 fi
