@@ -22,6 +22,9 @@ Multi-node (run the same line on every node; c10d rendezvous assigns ranks):
         --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id my-job \\
         scripts/pretrain_gpt.py --config llama3_8b ...
 
+(``NNODES=2 NODE_RANK=0|1 MASTER_ADDR=... ./scripts/pretrain_gpt.sh ...`` runs that line;
+tests/test_two_nodes.py runs it as two nodes on 127.0.0.1.)
+
 CPU (gloo; megatron-core's CUDA-only calls are redirected by lce_train.megatron_cpu):
 
     torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --config tiny \\
@@ -37,12 +40,25 @@ computes the loss; tensor-parallel rank 0 of data-parallel rank 0 there prints o
 step, loss, learning rate, tokens/s, step time and the peak memory of every pipeline stage
 (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak RSS on the CPU).
 
-Checkpoints (``--save DIR --save-interval K``, ``--load DIR``) are one ``torch.save`` file per
-rank holding the model, the optimizer, the RNG states and the step; a resumed run continues the
-same loss curve (bitwise on the CPU). Data come from ``--mock-data`` (seeded synthetic token
-sequences) or ``--data-path PREFIX`` (a flat token file ``PREFIX.bin`` with ``PREFIX.json``
-from scripts/build_token_file.py), sampled as seeded random windows: the batch of step k
-depends only on the seed and k, so a resumed run sees the same data.
+Checkpoints (``--save DIR --save-interval K``, ``--load DIR``, ``--ckpt-step N``) are
+megatron-core's ``dist_checkpointing`` (torch_dist backend) in Megatron-LM's layout:
+``DIR/latest_checkpointed_iteration.txt`` and one sharded folder ``DIR/iter_0000010/`` per save,
+holding the model and the optimizer (Adam's moments and fp32 main parameters; the distributed
+optimizer's as ``fully_reshardable``) by parameter. A run saved at one TP / PP / DP layout resumes
+at another (its losses continue within fp32 rounding; the vocabulary must pad to the same size,
+``--make-vocab-size-divisible-by``); at the same layout the RNG states resume too and the loss
+curve continues bitwise (on the CPU). The global batch size must stay the same. Missing or
+partial checkpoints are refused with the file or folder named; the launcher's earlier per-rank
+``rank_*.pt`` files are not read.
+
+Data come from ``--mock-data`` (seeded synthetic token sequences) or ``--data-path``, which takes
+Megatron's indexed datasets as Megatron-LM does: a prefix (``PREFIX.bin`` + ``PREFIX.idx``, from
+Megatron-LM's tools/preprocess_data.py or scripts/build_token_file.py) or a blend
+``"0.3 PREFIX_A 0.7 PREFIX_B"``, read by megatron-core's ``IndexedDataset`` / ``GPTDataset`` /
+``BlendedDataset`` (index caches in ``--data-cache-path``, default ``cache/`` beside the data;
+megatron-core's compiled ``helpers_cpp`` is needed, and the error says how to build it where it is
+missing). Batches are step-addressed: step k holds global samples ``(k - 1) * global_batch``
+onwards, so a resumed run sees the batches an unbroken one would, at any layout.
 """
 
 import os

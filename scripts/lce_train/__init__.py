@@ -6,10 +6,10 @@ imported inside the functions that need it, so every module here imports without
 
 The launcher (scripts/pretrain_gpt.py, ``lce-pretrain-gpt``), in the order a run goes through it:
     arguments            flags, the resolved plan and ``--dry-run``'s description
-    data                 seeded random windows of mock tokens or a token file
+    data                 mock tokens, or Megatron indexed datasets and blends (megatron-core's)
     model                parallel groups, the GPTModel of a stage, the schedule's step function
     optimizer            learning-rate schedule, megatron's optimizer or plain AdamW
-    checkpoint           per-rank save and resume
+    checkpoint           dist_checkpointing save and resume, at any parallel layout
     evaluation           validation loss and the gradient probes' hooks
     training             the loop and ``main``
     megatron_cpu         megatron-core on the CPU (gloo): a test shim, never part of the op
