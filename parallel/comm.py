@@ -32,6 +32,7 @@ order effects:
 
 from __future__ import annotations
 
+import atexit
 import math
 import pickle
 from dataclasses import dataclass
@@ -214,11 +215,24 @@ _WHAT_TO_DO = (
 
 def release_host_groups() -> None:
     """Shut down the host groups (every member at the same point, before
-    ``destroy_process_group``). The next call on the same ranks forms a new one."""
-    for host in _host_groups.values():
+    ``destroy_process_group``). The next call on the same ranks forms a new one. Left to the
+    process's exit, they are shut down by an ``atexit`` hook, while the interpreter still runs
+    (gloo's threads are then joined before Python tears down what they might touch)."""
+    hosts = list(_host_groups.values())
+    _host_groups.clear()
+    for host in hosts:
         if host.gloo is not None and hasattr(host.gloo, "shutdown"):
             host.gloo.shutdown()
-    _host_groups.clear()
+
+
+def _release_at_exit() -> None:
+    try:
+        release_host_groups()
+    except RuntimeError:
+        pass  # a peer already gone: nothing is left to agree on
+
+
+atexit.register(_release_at_exit)
 
 
 def all_gather_host_ints(values: list[int], group) -> list[list[int]]:
@@ -248,16 +262,16 @@ def _host_all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     bounded by ``group``'s timeout."""
     size = world_size(group)
     out = tensor.new_empty((size, *tensor.shape))
+    rows = list(out.unbind(0))
     if takes_cpu_tensors(group):
         try:
-            dist.all_gather_into_tensor(out.view(-1), tensor, group=group)
+            dist.all_gather(rows, tensor, group=group)
         except RuntimeError as exc:
             raise HostGroupError(_exchange_failure(group, exc)) from exc
         return out
     host = host_group(group)
     opts = c10d.AllgatherOptions()
     opts.timeout = group_timeout(group)
-    rows = list(out.unbind(0))
     try:
         host.gloo.allgather([rows], [tensor], opts).wait()
     except RuntimeError as exc:
