@@ -170,10 +170,18 @@ def upstream_weights(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> t
     return scale * (0.5 + torch.rand(shape, generator=gen, dtype=torch.float64))
 
 
+# The upstream gradient of a scalar loss in every objective: not 1, so that a gradient left
+# unscaled by it (one computed in the forward for an upstream gradient of 1) fails the test. A
+# power of two: scaling a 16-bit gradient by it rounds nothing, so the bf16 bounds (twice
+# torch's error, whose run folds the factor in) still hold; tests/test_ignore_index_and_scale.py
+# scales by 3 in fp32.
+SCALAR_UPSTREAM = 2.0
+
+
 def _objective(loss, lse, use_lse: bool, seed: int) -> torch.Tensor:
     """A scalar that depends on every per-token loss (and the lse when ``use_lse``)."""
     if loss.dim() == 0:
-        total = loss
+        total = SCALAR_UPSTREAM * loss
     else:
         total = (loss * upstream_weights(tuple(loss.shape), seed).to(loss)).sum()
     if use_lse:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close_rel, rel_err
-from helpers_lce import ATOL, IGNORE_INDEX, make_problem, upstream_weights
+from helpers_lce import ATOL, IGNORE_INDEX, SCALAR_UPSTREAM, make_problem, upstream_weights
 
 from fused_lce import linear_cross_entropy
 from fused_lce.options import LCEOptions
@@ -188,7 +188,7 @@ def layout(case: dict, world: int) -> tuple[list[int], list[int]]:
 def objective(loss: torch.Tensor, lse: torch.Tensor | None, seed: int) -> torch.Tensor:
     """A scalar that depends on every per-token loss (and on the lse when given)."""
     if loss.dim() == 0:
-        total = loss
+        total = SCALAR_UPSTREAM * loss
     else:
         total = (loss * upstream_weights(tuple(loss.shape), seed).to(loss)).sum()
     if lse is not None:

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers_lce import compare_to_reference, make_problem, run_reference_fp64
+from helpers_lce import SCALAR_UPSTREAM, compare_to_reference, make_problem, run_reference_fp64
 
 from fused_lce import engine, forward_grad, linear_cross_entropy
 from fused_lce.forward_grad import (
@@ -123,9 +123,9 @@ def test_an_upstream_multiple_of_the_mean_needs_no_recompute(walks, recomputes):
     loss = linear_cross_entropy(h, weight, target, impl="cce")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        (3.0 * loss).backward()
-    ref = run_reference_fp64(hidden, weight, target, None)
-    err = (h.grad.double() - 3.0 * ref.grads["input"]).abs().max() / ref.grads["input"].abs().max()
+        (SCALAR_UPSTREAM * loss).backward()
+    ref = run_reference_fp64(hidden, weight, target, None)  # of SCALAR_UPSTREAM * loss
+    err = (h.grad.double() - ref.grads["input"]).abs().max() / ref.grads["input"].abs().max()
     assert err < 1e-5 and not recomputes
 
 
