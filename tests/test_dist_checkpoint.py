@@ -8,7 +8,8 @@ Resharding on gloo, two CPU processes per run, the tiny model with the distribut
     TP1 x PP2 from step 3                TP1 -> PP2: step 4 as the unbroken run's
 
 "as" is within fp32 rounding (the sums run in another order at another layout); the same-layout
-resume is bitwise (tests/test_launcher.py::test_resume_continues_bitwise). Bad checkpoints (a
+resume is bitwise (tests/test_launcher.py::test_resume_continues_bitwise with megatron's
+optimizer; here one process with the launcher's plain AdamW on bf16 weights). Bad checkpoints (a
 missing shard, tracker files empty or garbage, folders that are not checkpoints, the old per-rank
 format) are refused with a message naming the file or folder.
 """
@@ -44,9 +45,10 @@ two_ranks = pytest.mark.skipif(
     reason="the torchrun jobs need 2 GPUs on a CUDA machine (or none: gloo)")
 
 
-def _launch(log: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(LAUNCHER), *COMMON, "--log-json", str(log), *flags]
+def _launch(log: Path, *flags: str, check: bool = True, nproc: int = 2,
+            common: list[str] = COMMON) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(LAUNCHER), *common, "--log-json", str(log), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=240)
     if check and proc.returncode != 0:
@@ -111,6 +113,20 @@ def test_missing_shard_names_the_folder(unbroken, tmp_path):
     assert proc.returncode != 0
     assert f"{broken / 'iter_0000002'}: cannot load the checkpoint" in proc.stdout + proc.stderr, \
         (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_plain_adamw_bf16_resumes_bitwise(tmp_path):
+    """lce_train's TorchAdamW (--optimizer-impl torch) keeps fp32 main copies of bf16 weights:
+    its sharded state (moments and main copies) resumes one process bitwise."""
+    common = [*COMMON[:-1], "--bf16", "--optimizer-impl", "torch"]
+    ckpt = tmp_path / "ckpt"
+    _launch(tmp_path / "straight.json", "--save", str(ckpt), "--save-interval", "2", nproc=1,
+            common=common)
+    _launch(tmp_path / "resumed.json", "--load", str(ckpt), "--ckpt-step", "2", nproc=1,
+            common=common)
+    straight, resumed = _losses(tmp_path / "straight.json"), _losses(tmp_path / "resumed.json")
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {k: straight[k] for k in (3, 4)}, (straight, resumed)
 
 
 # ---------------------------------------------------------------------------------------------
