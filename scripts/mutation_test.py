@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each module's tests: the fast single-device and TP=2 checks against fp64 torch first, then the
 # module's own tests. Chosen for speed: a survivor here may still die in the full suite.
-_OP = ("tests/test_ignore_index_and_scale.py::test_single_device_matches_torch",
-       "tests/test_ignore_index_and_scale.py::test_every_term_and_the_lse_match_torch")
+_OP = tuple(f"tests/test_ignore_index_and_scale.py::test_{name}" for name in (
+    "single_device_matches_torch", "every_term_and_the_lse_match_torch",
+    "only_the_wanted_gradient"))
 _TP2 = ("tests/test_ignore_index_and_scale.py::test_vocab_parallel_matches_torch",)
 _FG = "tests/test_forward_grad.py::test_"
 _PLANS = tuple(_FG + name for name in (
@@ -305,6 +306,9 @@ def main(argv=None) -> int:
     p.add_argument("--max", type=int, default=60, help="mutants per module at most (a seeded "
                    "sample; 0: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--at", action="append", default=None, metavar="PATH:LINE",
+                   help="only the mutants on this line, e.g. fused_lce/engine.py:328 "
+                        "(repeatable; to rerun survivors)")
     p.add_argument("--list", action="store_true", help="print the mutants and exit")
     p.add_argument("--json", type=Path, default=None, help="write every mutant's outcome here")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy")
@@ -319,6 +323,8 @@ def main(argv=None) -> int:
         source = (ROOT / module).read_text()
         found = find_mutants(module, TARGETS[module].functions, source)
         plan[module] = select(found, args.max or None, args.seed)
+        if args.at:
+            plan[module] = [m for m in found if f"{m.path}:{m.line}" in args.at]
         print(f"{module}: {len(plan[module])} of {len(found)} mutants")
     if args.list:
         for mutants in plan.values():
