@@ -27,13 +27,15 @@ HELD_OUT_STREAM = 2**62
 # The shuffle seed of validation datasets: the same held-out windows whatever --seed is.
 HELD_OUT_SEED = 0
 
+# The build of Megatron-LM's megatron/core/datasets/Makefile, which the wheel does not ship
+# (checked: the command below builds a working helpers_cpp from 0.16.1's helpers.cpp).
 HELPERS_HINT = (
     "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp*.so, needed by "
     "GPTDataset and blends) are missing from this install. Build them from the helpers.cpp it "
-    "ships:\n  pip install pybind11 && cd $(python -c 'import megatron.core.datasets as d, os; "
-    "print(os.path.dirname(d.__file__))') && c++ -O3 -Wall -shared -std=c++11 -fPIC "
-    "$(python -m pybind11 --includes) helpers.cpp -o helpers_cpp$(python3-config "
-    "--extension-suffix)")
+    "ships, with this Python:\n  pip install pybind11 && cd $(python -c 'import os, "
+    "megatron.core.datasets as d; print(os.path.dirname(d.__file__))') && c++ -O3 -Wall -shared "
+    "-std=c++11 -fPIC $(python -m pybind11 --includes) helpers.cpp -o helpers_cpp$(python -c "
+    "'import sysconfig; print(sysconfig.get_config_var(\"EXT_SUFFIX\"))')")
 
 
 # ---------------------------------------------------------------------------------------------
