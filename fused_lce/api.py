@@ -27,7 +27,8 @@ from .checks import (  # noqa: F401
     start_target_check,
     validate,
 )
-from .options import LCEOptions
+from .engine import single_device_loss
+from .options import LCEOptions, without_backward_options
 
 
 def linear_cross_entropy(
@@ -76,9 +77,8 @@ def linear_cross_entropy(
         softcap: cap logits with ``softcap * tanh(x / softcap)``; None for no cap.
         z_loss: coefficient of ``lse**2`` per token.
         impl: "auto", "cce", "chunked" or "torch".
-        return_lse: also return the per-token log-sum-exp, shape ``target``, fp32; 0 for
-            ignored tokens. Differentiable, except with ``impl="chunked", chunk_by="tokens"``,
-            whose lse carries no gradient (its gradients are formed in the forward).
+        return_lse: also return the (differentiable) per-token log-sum-exp, shape ``target``,
+            fp32; 0 for ignored tokens.
         num_classes: weight rows at or past this index are vocabulary padding, not classes.
         backward: cce backward, "auto", "gemm" (gradient chunks + GEMMs) or "tiles" (fused
             tile kernel with gradient filtering and vocab sorting).
@@ -94,7 +94,7 @@ def linear_cross_entropy(
         fp32_weight_grad: cce, gradient-in-forward backward: sum the weight gradient over
             token chunks in fp32 (False: in the weight's dtype, one rounding a chunk, as Liger
             does, so a tight ``scratch_mb`` needs no fp32 accumulator).
-        chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward; scalar losses).
+        chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward, as cce's default).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
         scratch_mb: cce backward buffer budget in MiB (env FUSED_LCE_SCRATCH_MB, 512); 12
@@ -188,16 +188,21 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
     hidden = input.reshape(math.prod(batch_shape), input.shape[-1])
     flat_target = class_ids(target).reshape(-1)
     if impl == "cce" and hidden.shape[0] > 0:
-        from .function import cce_linear_cross_entropy
+        from .function import TritonShard
 
         target_check = (start_target_check(flat_target, opts.ignore_index, n_classes)
                         if defer_check else None)
-        loss, lse = cce_linear_cross_entropy(hidden, weight, flat_target, bias, opts,
-                                             loss_mask=loss_mask, target_check=target_check)
+        loss, lse = single_device_loss(
+            hidden, weight, flat_target, bias, without_backward_options(opts, hidden, weight, bias),
+            TritonShard, caller="linear_cross_entropy(impl='cce')", loss_mask=loss_mask,
+            target_check=target_check)
     elif impl == "chunked" and hidden.shape[0] > 0:
-        from .chunked import chunked_linear_cross_entropy
+        from .chunked import ChunkedShard
 
-        loss, lse = chunked_linear_cross_entropy(hidden, weight, flat_target, bias, opts)
+        loss, lse = single_device_loss(hidden, weight, flat_target, bias, opts, ChunkedShard,
+                                       caller=f"linear_cross_entropy(impl='chunked', "
+                                              f"chunk_by={opts.chunk_by!r})",
+                                       loss_mask=loss_mask)
     else:
         from .reference import reference_linear_cross_entropy
 

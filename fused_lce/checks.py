@@ -83,11 +83,6 @@ def validate(
             "the meta device do not hold: use cpu or cuda tensors, or impl='torch' (on meta: "
             "shapes and dtypes only, with check_targets=False)"
         )
-    if impl == "chunked" and opts.chunk_by == "tokens" and opts.reduction == "none":
-        raise ValueError(
-            "chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "
-            "use reduction='mean' or 'sum', or chunk_by='vocab'"
-        )
     if check_targets:
         check_target_range(target, opts.ignore_index, n_classes)
 

@@ -1,21 +1,23 @@
-"""Pure-PyTorch chunked linear cross-entropy: the path that runs on any device, CPU included.
+"""Pure-PyTorch chunked linear cross-entropy: the strategy that runs on any device, CPU included.
 
-An unfused classifier head holds the (N, V) logits and their gradient; here they never exist at
-once. ``LCEOptions.chunk_by`` picks one of two ways to cut them:
+``ChunkedShard`` is an engine.LCEFunction shard strategy (the engine's ``ShardStrategy``), on one
+device and in the vocab-parallel layer alike; an unfused classifier head holds the (N, V) logits
+and their gradient, here they never exist at once. ``LCEOptions.chunk_by`` picks one of two ways
+to cut them:
 
 ``"vocab"`` (default): online softmax over vocabulary chunks. The forward walks ``vocab_chunk``
 columns at a time, computing each chunk's logits into one reused buffer and folding it into a
 running (max, rescaled sum of exp) per token, plus the target logit and, for label smoothing,
-the row sum of logits. It saves only the inputs and the (N,) lse. The backward walks the same
-chunks, recomputes the logits, turns them into the logit gradient in place and multiplies it
-out: ``d_hidden`` accumulates over chunks, each chunk owns its rows of ``d_weight``. Any
-reduction works and gradients flow through the returned lse too. Memory: O(N * vocab_chunk).
+the row sum of logits; the engine saves only the inputs and per-token vectors. The backward walks
+the same chunks, recomputes the logits, turns them into the logit gradient in place and
+multiplies it out: ``d_hidden`` accumulates over chunks, each chunk owns its rows of
+``d_weight``. Memory: O(N * vocab_chunk).
 
-``"tokens"``: gradients in the forward. The forward walks ``token_chunk`` tokens at a time with
-full-vocabulary logits, and since a scalar loss is linear in its upstream gradient, computes
-the input gradients for a unit upstream gradient right away; the backward only scales them.
-Needs reduction "mean" or "sum", and does not propagate gradients through the returned lse
-(it is marked non-differentiable). Memory: O(token_chunk * V) plus the stored gradients.
+``"tokens"``: gradients in the forward (the engine's token walk, fused_lce/forward_grad.py, with
+``ChunkedGradientChunks``): ``token_chunk`` tokens at a time with full-vocabulary logits, the
+input gradients computed at once for the assumed upstream gradient; the backward scales them, or
+recomputes the vocabulary way where the upstream gradient is not the assumed one (a gradient
+through the returned lse, say). Memory: O(token_chunk * V) plus the stored gradients.
 
 The logit gradient both modes form, per token with upstream loss gradient g, soft-capped logits
 z (z = cap * tanh(x / cap)), p = softmax(z), V classes and target y::
@@ -24,105 +26,35 @@ z (z = cap * tanh(x / cap)), p = softmax(z), V classes and target y::
     dL/dx = dL/dz * (1 - (z / cap)**2)
 
 Precision: the matmuls run in the inputs' dtype (the logit gradient is cast down first, as an
-unfused head does), everything elementwise and every cross-chunk accumulation in fp32 (fp64
-for fp64 inputs). Ignored tokens are dropped before any work (a host sync, fine on this path):
-they get loss 0, lse 0 and no gradient.
+unfused head does) with fp32 accumulators, everything elementwise and every cross-chunk
+accumulation in fp32 (fp64 for fp64 inputs). The vocabulary way drops ignored tokens before any
+work (a host sync, fine on this path).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .engine import ShardGradRequest, ShardInputs, ShardStatistics
+from .engine import (
+    ShardGradRequest,
+    ShardInputs,
+    ShardStatistics,
+    compute_dtype,
+)
+from .forward_grad import ForwardGradPlan
+from .kernels.products import accumulate_mm, mm_into
 from .kernels.softmax_merge import merge_partials, softmax_shift
 from .options import LCEOptions
-from .terms import (
-    GradCoefficients,
-    grad_coefficients,
-    refuse_double_backward,
-    refuse_function_transforms,
-    target_nll,
-    token_loss,
-)
+from .terms import GradCoefficients
 
 
-def chunked_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    opts: LCEOptions,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linear + cross-entropy in chunks, with the semantics of ``fused_lce.options``.
-
-    Inputs are assumed validated by the caller (shapes, dtypes, devices, target range).
-
-    Args:
-        hidden: (N, D) float16/bfloat16/float32/float64 activations, already flattened.
-        weight: (V, D) classifier weight, same dtype; rows at or past ``opts.num_classes`` are
-            padding and get zero gradient.
-        target: (N,) integer class ids; ``opts.ignore_index`` marks ignored tokens.
-        bias: (V,) same dtype, or None.
-        opts: the call's options; ``chunk_by``, ``vocab_chunk`` and ``token_chunk`` pick the
-            chunking.
-
-    Returns:
-        (loss, lse). loss: a scalar for "mean"/"sum", (N,) for "none". lse: (N,) logsumexp of
-        the soft-capped logits, 0 for ignored tokens. Both fp32, or fp64 for fp64 inputs.
-
-    Raises:
-        ValueError: ``chunk_by="tokens"`` with ``reduction="none"``.
-    """
-    if opts.chunk_by == "tokens" and opts.reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"chunk_by='tokens' computes gradients in the forward and needs a scalar loss: "
-            f"reduction must be 'mean' or 'sum', got reduction={opts.reduction!r}"
-        )
-    if opts.num_classes is not None:
-        # Autograd of the slice gives the padding rows their zero gradient.
-        weight = weight[: opts.num_classes]
-        bias = None if bias is None else bias[: opts.num_classes]
-    if opts.chunk_by == "tokens":
-        # Inside Function.forward grad mode is off and needs_input_grad ignores no_grad, so
-        # whether to do the gradient work is decided here.
-        grad_on = torch.is_grad_enabled()
-        needs = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
-        return _TokenChunkedLCE.apply(hidden, weight, bias, target, opts, needs)
-    return _VocabChunkedLCE.apply(hidden, weight, bias, target, opts)
+def _row_slice(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if x is None else x[start:stop]
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16/32-bit inputs, fp64 for fp64: the dtype of all elementwise math."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _valid_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """Indices (N_valid,) of non-ignored tokens, or None when none is ignored (no copy needed)."""
-    valid = target != ignore_index
-    if bool(valid.all()):
-        return None
-    return valid.nonzero().squeeze(1)
-
-
-def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return x if rows is None else x.index_select(0, rows)
-
-
-def _put(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
-    """Scatter per-valid-token ``values`` (N_valid, ...) back to (n, ...), zeros elsewhere."""
-    if rows is None:
-        return values
-    out = values.new_zeros((n, *values.shape[1:]))
-    return out.index_copy_(0, rows, values)
-
-
-def _row_slice(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
-    return None if x is None else x[start:stop]
 
 
 class _LogitScratch:
@@ -135,7 +67,7 @@ class _LogitScratch:
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.mm = torch.empty(numel, dtype=dtype, device=device)
-        compute = _compute_dtype(dtype)
+        compute = compute_dtype(dtype)
         self.up = None if compute == dtype else torch.empty(numel, dtype=compute, device=device)
 
     def logits(
@@ -218,33 +150,8 @@ def _logit_grad_(
     return grad
 
 
-def _accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with acc wider than a and b for 16-bit inputs (no mixed-dtype addmm)."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
-
-
-def _zeros_where_needed(
-    tensors: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...]
-) -> tuple[torch.Tensor | None, ...]:
-    """Explicit zero gradients rather than None, so every input that asked gets a ``.grad``."""
-    return tuple(torch.zeros_like(t) if need else None for t, need in zip(tensors, needs))
-
-
-def _reduce(loss: torch.Tensor, rows: torch.Tensor | None, n: int, reduction: str) -> torch.Tensor:
-    """Reduce the per-valid-token ``loss`` (N_valid,) like torch: "mean" of 0 tokens is NaN."""
-    if reduction == "none":
-        return _put(loss, rows, n)
-    total = loss.sum()
-    if reduction == "sum":
-        return total
-    return total / loss.shape[0]
-
-
 # ---------------------------------------------------------------------------------------------
-# chunk_by="vocab": online softmax forward, recomputing backward
+# Vocabulary chunks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -275,7 +182,7 @@ def vocab_statistics(
     """
     rows, num_classes = hidden.shape[0], weight.shape[0]
     chunk = min(opts.vocab_chunk, num_classes)
-    compute = _compute_dtype(hidden.dtype)
+    compute = compute_dtype(hidden.dtype)
     scratch = _LogitScratch(rows * chunk, hidden.dtype, hidden.device)
 
     def stat(fill: float) -> torch.Tensor:
@@ -292,24 +199,6 @@ def vocab_statistics(
             row_sum.add_(z.sum(dim=1))
         _fold_into_lse_(z, run_max, run_sum)
     return run_max, run_sum, row_sum, target_logit
-
-
-def _vocab_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    opts: LCEOptions,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token (loss, lse, nll), each (rows,), for non-ignored tokens only.
-
-    Args:
-        hidden: (rows, D); weight: (V, D); bias: (V,) or None; target: (rows,) in [0, V).
-    """
-    run_max, run_sum, row_sum, target_logit = vocab_statistics(hidden, weight, bias, target, opts)
-    lse = run_max + run_sum.log()
-    nll = target_nll(run_max, run_sum, target_logit)
-    return token_loss(nll, lse, row_sum, weight.shape[0], opts), lse, nll
 
 
 def vocab_backward(
@@ -339,7 +228,7 @@ def vocab_backward(
     """
     rows, num_classes = hidden.shape[0], weight.shape[0]
     chunk = min(opts.vocab_chunk, num_classes)
-    compute = _compute_dtype(hidden.dtype)
+    compute = compute_dtype(hidden.dtype)
     scratch = _LogitScratch(rows * chunk, hidden.dtype, hidden.device)
     need_h, need_w, need_b = needs
     d_hidden = hidden.new_zeros(hidden.shape, dtype=compute) if need_h else None
@@ -355,211 +244,49 @@ def vocab_backward(
             torch.sum(grad, dim=0, out=d_bias[start:stop])
         grad = scratch.lowered(grad)
         if need_h:
-            _accumulate_mm_(d_hidden, grad, w_chunk)
+            accumulate_mm(d_hidden, grad, w_chunk)
         if need_w:
             # The chunk's rows of d_weight see every token in one matmul: no accumulator needed.
             torch.mm(grad.t(), hidden, out=d_weight[start:stop])
     return d_hidden, d_weight, d_bias
 
 
-def _upstream_token_grad(
-    grad_loss: torch.Tensor | None,
-    rows: torch.Tensor | None,
-    n_valid: int,
-    reduction: str,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """Upstream gradient g (N_valid,) of each non-ignored token's loss, in ``like``'s dtype."""
-    if grad_loss is None:
-        return like.new_zeros(n_valid)
-    grad_loss = grad_loss.to(like.dtype)
-    if reduction == "none":
-        return _take(grad_loss, rows)
-    if reduction == "mean":
-        grad_loss = grad_loss / n_valid
-    return grad_loss.expand(n_valid)
-
-
-class _VocabChunkedLCE(torch.autograd.Function):
-    """(loss, lse) by online softmax over vocabulary chunks; the backward recomputes logits."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        opts: LCEOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
-        compute = _compute_dtype(hidden.dtype)
-        rows = _valid_rows(target, opts.ignore_index)
-        n_valid = n if rows is None else rows.numel()
-        if n_valid > 0:
-            loss, lse, nll = _vocab_forward(
-                _take(hidden, rows), weight, bias, _take(target, rows), opts
-            )
-        else:
-            loss = lse = nll = hidden.new_zeros(0, dtype=compute)
-        ctx.save_for_backward(hidden, weight, bias, target, lse, nll, rows)
-        ctx.opts = opts
-        # Unused outputs arrive as None instead of zero tensors: skip their work.
-        ctx.set_materialize_grads(False)
-        return _reduce(loss, rows, n, opts.reduction), _put(lse, rows, n)
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None):
-        refuse_double_backward("linear_cross_entropy(impl='chunked')")
-        refuse_function_transforms("linear_cross_entropy(impl='chunked')", grad_loss, grad_lse)
-        hidden, weight, bias, target, lse, nll, rows = ctx.saved_tensors
-        opts: LCEOptions = ctx.opts
-        needs = tuple(ctx.needs_input_grad[:3])
-        n_valid = lse.shape[0]
-        if n_valid == 0 or (grad_loss is None and grad_lse is None):
-            return (*_zeros_where_needed((hidden, weight, bias), needs), None, None)
-        g = _upstream_token_grad(grad_loss, rows, n_valid, opts.reduction, lse)
-        grad_lse = None if grad_lse is None else _take(grad_lse.to(lse.dtype), rows)
-        coefs = grad_coefficients(g, lse, nll, grad_lse, weight.shape[0], opts)
-        d_hidden, d_weight, d_bias = vocab_backward(
-            _take(hidden, rows), weight, bias, _take(target, rows), lse, coefs, opts, needs
-        )
-        if d_hidden is not None:
-            d_hidden = _put(d_hidden.to(hidden.dtype), rows, hidden.shape[0])
-        if d_bias is not None:
-            d_bias = d_bias.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None
-
-
 # ---------------------------------------------------------------------------------------------
-# chunk_by="tokens": gradients computed in the forward
+# The strategy
 # ---------------------------------------------------------------------------------------------
-
-
-def _token_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    scale: float,
-    opts: LCEOptions,
-    needs: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
-    """Summed loss, per-token lse and the input gradients of ``scale * summed loss``.
-
-    Args:
-        hidden: (rows, D) non-ignored tokens; weight: (V, D); bias: (V,) or None;
-            target: (rows,) in [0, V).
-        scale: d(reduced loss)/d(token loss): 1 for "sum", 1 / rows for "mean".
-        opts: the call's options.
-        needs: whether hidden, weight, bias need a gradient.
-
-    Returns:
-        (loss_sum (), lse (rows,), (d_hidden (rows, D), d_weight (V, D), d_bias (V,))): losses
-        in the compute dtype, gradients in the inputs' dtype, None where not needed.
-    """
-    rows, num_classes = hidden.shape[0], weight.shape[0]
-    chunk = min(opts.token_chunk, rows)
-    compute = _compute_dtype(hidden.dtype)
-    scratch = _LogitScratch(chunk * num_classes, hidden.dtype, hidden.device)
-    need_h, need_w, need_b = needs
-    d_hidden = hidden.new_empty(hidden.shape) if need_h else None
-    d_weight = weight.new_zeros(weight.shape, dtype=compute) if need_w else None
-    d_bias = weight.new_zeros(num_classes, dtype=compute) if need_b else None
-    loss_sum = hidden.new_zeros((), dtype=compute)
-    lse = hidden.new_empty(rows, dtype=compute)
-    for start in range(0, rows, chunk):
-        stop = min(start + chunk, rows)
-        h_chunk, local = hidden[start:stop], target[start:stop].long().unsqueeze(1)
-        z = scratch.logits(h_chunk, weight, bias, opts.softcap)
-        row_max = z.amax(dim=1)
-        sum_exp = torch.exp(z - row_max.unsqueeze(1)).sum(dim=1)
-        lse_chunk = row_max + sum_exp.log()
-        lse[start:stop] = lse_chunk
-        row_sum = z.sum(dim=1) if opts.label_smoothing > 0 else None
-        nll = target_nll(row_max, sum_exp, z.gather(1, local).squeeze(1))
-        loss_sum += token_loss(nll, lse_chunk, row_sum, num_classes, opts).sum()
-        if not any(needs):
-            continue
-        g = lse_chunk.new_full(lse_chunk.shape, scale)
-        coefs = grad_coefficients(g, lse_chunk, nll, None, num_classes, opts)
-        grad = _logit_grad_(z, lse_chunk, coefs, local, None, opts.softcap)
-        if need_b:
-            d_bias.add_(grad.sum(dim=0))
-        grad = scratch.lowered(grad)
-        if need_h:
-            # A token chunk's rows of d_hidden see the whole vocabulary in one matmul.
-            torch.mm(grad, weight, out=d_hidden[start:stop])
-        if need_w:
-            _accumulate_mm_(d_weight, grad.t(), h_chunk)
-    if d_weight is not None:
-        d_weight = d_weight.to(weight.dtype)
-    if d_bias is not None:
-        d_bias = d_bias.to(bias.dtype)
-    return loss_sum, lse, (d_hidden, d_weight, d_bias)
-
-
-class _TokenChunkedLCE(torch.autograd.Function):
-    """Scalar loss with gradients computed in the forward, token chunk by token chunk.
-
-    The backward scales the stored gradients by the scalar upstream gradient. The returned lse
-    is marked non-differentiable: this mode does not propagate gradients through it.
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        opts: LCEOptions,
-        needs: tuple[bool, bool, bool],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
-        compute = _compute_dtype(hidden.dtype)
-        rows = _valid_rows(target, opts.ignore_index)
-        n_valid = n if rows is None else rows.numel()
-        if n_valid == 0:
-            loss_sum = hidden.new_zeros((), dtype=compute)
-            lse = hidden.new_zeros(0, dtype=compute)
-            d_hidden, d_weight, d_bias = _zeros_where_needed((hidden, weight, bias), needs)
-        else:
-            scale = 1.0 / n_valid if opts.reduction == "mean" else 1.0
-            loss_sum, lse, (d_hidden, d_weight, d_bias) = _token_chunks(
-                _take(hidden, rows), weight, bias, _take(target, rows), scale, opts, needs
-            )
-            if d_hidden is not None:
-                d_hidden = _put(d_hidden, rows, n)
-        ctx.save_for_backward(d_hidden, d_weight, d_bias)
-        # "mean" of no tokens is 0 / 0 = NaN, as in torch.
-        loss = loss_sum if opts.reduction == "sum" else loss_sum / n_valid
-        lse = _put(lse, rows, n)
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
-        refuse_double_backward("linear_cross_entropy(impl='chunked', chunk_by='tokens')")
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
-        # None only for inputs that asked for no gradient.
-        scaled = tuple(None if d is None else d * grad_loss for d in (d_hidden, d_weight, d_bias))
-        return (*scaled, None, None, None)
 
 
 class ChunkedShard:
-    """The vocabulary chunks on one shard: an engine.LCEFunction shard strategy (the vocab-
-    parallel layer's chunked impl; the single-device chunked path keeps its own Functions)."""
+    """Chunked PyTorch on one shard: an engine ``ShardStrategy`` (module docstring)."""
+
+    @staticmethod
+    def plan_forward_gradients(opts: LCEOptions, n_rows: int, weight_rows: int, d_model: int,
+                               elem_bytes: int, wants_weight_grad: bool) -> ForwardGradPlan | None:
+        """Token chunks walk with gradients in the forward (``chunk_by="tokens"``), summing the
+        weight gradient in fp32; vocabulary chunks take statistics now, gradients later."""
+        if opts.chunk_by != "tokens" or n_rows == 0:
+            return None
+        return ForwardGradPlan(chunk_rows=min(opts.token_chunk, n_rows),
+                               fp32_weight_accumulator=True)
+
+    @staticmethod
+    def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(scale.to(tensor.dtype))
+
+    @staticmethod
+    def recompute_state(inputs: ShardInputs):
+        """The non-ignored rows and their targets as columns of this shard (-1: another's)."""
+        target, n_local = inputs.target, inputs.weight.shape[0]
+        valid = (target != inputs.opts.ignore_index).nonzero().squeeze(1)
+        local = target.index_select(0, valid) - inputs.vocab_start
+        return valid, torch.where((local >= 0) & (local < n_local), local, -1)
 
     @staticmethod
     def statistics(inputs: ShardInputs):
-        hidden, weight, target = inputs.hidden, inputs.weight, inputs.target
-        valid = (target != inputs.opts.ignore_index).nonzero().squeeze(1)
-        local = target.index_select(0, valid) - inputs.vocab_start
-        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)
-        stats = vocab_statistics(hidden.index_select(0, valid), weight, inputs.bias, local,
-                                 inputs.opts)
-        n = hidden.shape[0]
+        valid, local = ChunkedShard.recompute_state(inputs)
+        stats = vocab_statistics(inputs.hidden.index_select(0, valid), inputs.weight, inputs.bias,
+                                 local, inputs.opts)
+        n = inputs.hidden.shape[0]
         fills = (float("-inf"), 0.0, 0.0, 0.0)
         full = []
         for value, fill in zip(stats, fills):
@@ -593,3 +320,61 @@ class ChunkedShard:
             accumulator.add_(d_weight)
             d_weight = None
         return d_hidden, d_weight, d_bias
+
+    @staticmethod
+    def gradient_chunks(inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        return ChunkedGradientChunks(inputs, plan, needs, d_hidden_dtype)
+
+
+class ChunkedGradientChunks:
+    """The token walk of ``chunk_by="tokens"`` on one shard (the engine's ``GradientChunks``):
+    a chunk's soft-capped logits in the compute dtype, its statistics, then G in their place."""
+
+    def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+        self.inputs = inputs
+        self.scratch = _LogitScratch(plan.chunk_rows * weight.shape[0], hidden.dtype,
+                                     hidden.device)
+        self.logits = self.local = self.hit = None  # the current chunk's
+        compute = compute_dtype(hidden.dtype)
+        want_hidden, want_weight, want_bias = needs
+        self.d_hidden = (hidden.new_empty(hidden.shape, dtype=d_hidden_dtype) if want_hidden
+                         else None)
+        self.d_weight = weight.new_zeros(weight.shape, dtype=compute) if want_weight else None
+        self.d_bias = (weight.new_zeros(weight.shape[0], dtype=compute)
+                       if want_bias and bias is not None else None)
+
+    def compute_logits(self, rows: slice) -> None:
+        inputs = self.inputs
+        self.logits = self.scratch.logits(inputs.hidden[rows], inputs.weight, inputs.bias,
+                                          inputs.opts.softcap)
+
+    def statistics(self, rows: slice) -> ShardStatistics:
+        inputs, z = self.inputs, self.logits
+        self.local, self.hit = _local_target(inputs.target[rows] - inputs.vocab_start, 0,
+                                             z.shape[1])
+        row_max = z.amax(dim=1)
+        sum_exp = torch.exp(z - softmax_shift(row_max).unsqueeze(1)).sum(dim=1)
+        target_logit = torch.where(self.hit, z.gather(1, self.local).squeeze(1), 0.0)
+        row_sum = z.sum(dim=1) if inputs.opts.label_smoothing > 0 else None
+        return ShardStatistics(row_max, sum_exp, row_sum, target_logit)
+
+    def gradients(self, rows: slice, lse: torch.Tensor, coefs: GradCoefficients) -> None:
+        hidden, weight = self.inputs.hidden[rows], self.inputs.weight
+        grad = _logit_grad_(self.logits, lse, coefs, self.local, self.hit,
+                            self.inputs.opts.softcap)
+        if self.d_bias is not None:
+            self.d_bias += grad.sum(dim=0)
+        grad = self.scratch.lowered(grad)
+        if self.d_hidden is not None:
+            # A token chunk's rows of d_hidden see the whole vocabulary in one matmul.
+            mm_into(self.d_hidden[rows], grad, weight)
+        if self.d_weight is not None:
+            accumulate_mm(self.d_weight, grad.t(), hidden)
+
+    def finish(self):
+        self.scratch = self.logits = None
+        weight, bias = self.inputs.weight, self.inputs.bias
+        d_weight = None if self.d_weight is None else self.d_weight.to(weight.dtype)
+        d_bias = None if self.d_bias is None else self.d_bias.to(bias.dtype)
+        return self.d_hidden, d_weight, d_bias

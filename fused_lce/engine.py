@@ -1,13 +1,18 @@
-"""One autograd Function for the loss on one weight shard, alone (TP=1) or with its peers (TP=N).
+"""One autograd Function for the loss of every impl (cce and chunked), on one weight shard, alone
+(TP=1) or with its peers (TP=N).
 
 A call holds a shard ``[vocab_start, vocab_start + local_classes)`` of the classifier; on one
-device the shard is the whole weight. The forward asks a shard strategy (Triton kernels, chunked
-PyTorch, or the empty shard of a rank that holds only vocabulary padding) for the shard's per-row
-statistics, combines them across ranks through a ``ShardReducer`` and forms the loss with
-``terms``; the backward forms the logit gradient's coefficients once and asks the strategy for
-the shard's gradients. What differs between TP=1 and TP=N is only the reducer: ``LOCAL`` here is
-the identity, parallel/comm.py's ``GroupReducer`` talks to the other ranks. Nothing in this
-package imports torch.distributed.
+device the shard is the whole weight. The caller passes a ``ShardStrategy``: the Triton kernels
+(fused_lce/function.py's ``TritonShard``) or chunked PyTorch (fused_lce/chunked.py's
+``ChunkedShard``); a rank that holds only vocabulary padding uses ``EmptyShard``. Either the
+forward asks the strategy for the shard's per-row statistics and the backward for the shard's
+gradients, or, where the strategy plans it, the forward walks token chunks and computes the
+gradients at once (fused_lce/forward_grad.py; the backward then scales them or, where the
+upstream gradient is not the assumed one, recomputes). Statistics are combined across ranks
+through a ``ShardReducer`` and the loss is formed with ``terms``. What differs between TP=1 and
+TP=N is only the reducer: ``LOCAL`` here is the identity, parallel/comm.py's ``GroupReducer``
+talks to the other ranks. Nothing in this package imports torch.distributed, and this module
+imports no strategy: they are passed in.
 """
 
 from __future__ import annotations
@@ -21,11 +26,9 @@ from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
     mismatch_found,
-    plan_forward_gradients,
     upstream_scale,
     warn_recompute,
 )
-from .kernels.scale import scale_unless_one_
 from .kernels.softmax_merge import softmax_shift
 from .options import LCEOptions
 from .terms import (
@@ -89,10 +92,11 @@ def flat_rows(input: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ShardCall:
-    """What is fixed for one call: the options, the shard's place and how to reach the others."""
+    """What is fixed for one call: the options, the strategy, the shard's place and how to reach
+    the others."""
 
     opts: LCEOptions
-    impl: str  # "cce" or "chunked"
+    strategy: Any  # a ShardStrategy, the same on every rank (a rank without classes: EmptyShard)
     vocab_start: int
     local_classes: int  # real classes in this shard (rows past it are vocabulary padding)
     num_classes: int  # classes over every shard
@@ -101,6 +105,9 @@ class ShardCall:
     loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
     target_check: Any = None  # a checks.PendingTargetCheck, read before the targets are used
     caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
+    # Whether autograd records the call, read before apply: inside forward grad mode is off,
+    # and needs_input_grad does not see torch.no_grad().
+    grad_enabled: bool = True
 
 
 @dataclass
@@ -136,6 +143,59 @@ class ShardStatistics(NamedTuple):
     target_logit: torch.Tensor  # 0 where another shard owns the target
 
 
+class GradientChunks(Protocol):
+    """One call's walk over token chunks with gradients in the forward, in this order per chunk:
+    ``compute_logits``, ``statistics``, then (with the global lse) ``gradients``; ``finish`` once
+    at the end. It keeps the chunk's logits between the three calls."""
+
+    def compute_logits(self, rows: slice) -> None: ...
+
+    def statistics(self, rows: slice) -> ShardStatistics: ...
+
+    def gradients(self, rows: slice, lse: torch.Tensor, coefs: GradCoefficients) -> None: ...
+
+    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(d_hidden, d_weight, d_bias) for the assumed upstream gradient, None where not
+        needed."""
+        ...
+
+
+class ShardStrategy(Protocol):
+    """How one shard's statistics and gradients are computed: every strategy implements all of
+    it, and the engine calls nothing else."""
+
+    def plan_forward_gradients(self, opts: LCEOptions, n_rows: int, weight_rows: int,
+                               d_model: int, elem_bytes: int,
+                               wants_weight_grad: bool) -> ForwardGradPlan | None:
+        """The token walk's plan, or None for statistics now and gradients in the backward."""
+        ...
+
+    def statistics(self, inputs: ShardInputs) -> tuple[Any, ShardStatistics]:
+        """(state for ``backward``, the shard's statistics)."""
+        ...
+
+    def backward(self, state: Any, inputs: ShardInputs, request: ShardGradRequest):
+        """(d_hidden partial, d_weight, d_bias) of the shard against the global lse."""
+        ...
+
+    def recompute_state(self, inputs: ShardInputs) -> Any:
+        """What ``backward`` needs where the forward walked instead of taking statistics."""
+        ...
+
+    def gradient_chunks(self, inputs: ShardInputs, plan: ForwardGradPlan, needs,
+                        d_hidden_dtype: torch.dtype) -> GradientChunks: ...
+
+    def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``tensor *= scale`` in place, ``scale`` a one-element device tensor (never read by the
+        host)."""
+        ...
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16/32-bit inputs, fp64 for fp64: the dtype of every per-token vector."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _empty_statistics(inputs: ShardInputs, n_rows: int) -> ShardStatistics:
     """What ``n_rows`` rows see of a shard without classes: max -inf, nothing to add."""
     zeros = torch.zeros((n_rows,), dtype=torch.float32, device=inputs.hidden.device)
@@ -145,7 +205,15 @@ def _empty_statistics(inputs: ShardInputs, n_rows: int) -> ShardStatistics:
 
 class EmptyShard:
     """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
-    in every collective like the others."""
+    in every collective like the others, following the plan of the group's strategy."""
+
+    @staticmethod
+    def plan_forward_gradients(opts, n_rows, weight_rows, d_model, elem_bytes, wants_weight_grad):
+        return None  # never asked: the engine plans with the group's strategy (ShardCall)
+
+    @staticmethod
+    def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(scale.to(tensor.dtype))
 
     @staticmethod
     def statistics(inputs: ShardInputs):
@@ -192,20 +260,6 @@ class EmptyGradientChunks:
                 d_bias if self.needs[2] else None)
 
 
-def shard_strategy(impl: str, local_classes: int):
-    if local_classes == 0:
-        return EmptyShard
-    if impl == "cce":
-        from .function import TritonShard
-
-        return TritonShard
-    if impl == "chunked":
-        from .chunked import ChunkedShard
-
-        return ChunkedShard
-    raise ValueError(f"vocab-parallel impl must be 'cce', 'chunked' or 'auto', got {impl!r}")
-
-
 def global_statistics(stats: ShardStatistics, reducer) -> ShardStatistics:
     """The statistics over every shard: one MAX for the shift, one SUM for what adds up."""
     if reducer.world_size == 1:
@@ -245,10 +299,10 @@ class LCEFunction(torch.autograd.Function):
         hidden = call.reducer.gather_input(input)
         flat_target = target.reshape(-1)
         inputs = _shard_inputs(hidden, weight, bias, flat_target, call)
-        strategy = shard_strategy(call.impl, call.local_classes)
+        strategy = call.strategy if call.local_classes > 0 else EmptyShard
         valid = flat_target != opts.ignore_index
         n_valid = valid.sum()
-        needs = tuple(ctx.needs_input_grad[:3])
+        needs = tuple(call.grad_enabled and need for need in ctx.needs_input_grad[:3])
         plan = _forward_grad_plan(call, hidden, weight, needs)
         ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
         if plan is None:
@@ -259,7 +313,8 @@ class LCEFunction(torch.autograd.Function):
             # What the forward builds G with, kept for the backward's check: a copy, so a caller
             # that edits loss_mask in place after the forward is still checked against what was
             # assumed, and recomputed exactly where that no longer holds.
-            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask)
+            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask,
+                                             compute_dtype(input.dtype))
             (lse, nll, row_sum), ctx.forward_grads = _gradients_in_forward(
                 strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
             )
@@ -309,10 +364,10 @@ class LCEFunction(torch.autograd.Function):
         zero = torch.zeros_like(lse)
         g = zero
         if grad_loss is not None:
-            g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction)
+            g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction, lse.dtype)
         g = torch.where(valid, g, zero)
         if grad_lse is not None:
-            grad_lse = torch.where(valid, grad_lse.reshape(n_rows).float(), zero)
+            grad_lse = torch.where(valid, grad_lse.reshape(n_rows).to(lse.dtype), zero)
         coefs = grad_coefficients(g, lse, nll, grad_lse, call.num_classes, opts)
 
         inputs = _shard_inputs(hidden, weight, bias, target, call)
@@ -337,17 +392,47 @@ class LCEFunction(torch.autograd.Function):
         return d_input, d_weight, d_bias, None, None
 
 
+def single_device_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LCEOptions,
+    strategy: ShardStrategy,
+    *,
+    caller: str,
+    loss_mask: torch.Tensor | None = None,
+    target_check: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device, validated
+    targets (N,) included. ``target_check``: a checks.PendingTargetCheck read before the targets
+    are; ``caller``: what the errors name."""
+    if opts.num_classes is not None:
+        # Autograd of the slice gives the padding rows their zero gradient.
+        weight = weight[: opts.num_classes]
+        bias = None if bias is None else bias[: opts.num_classes]
+    n_classes = weight.shape[0]
+    call = ShardCall(opts, strategy, vocab_start=0, local_classes=n_classes,
+                     num_classes=n_classes,
+                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
+                     target_check=target_check, caller=caller,
+                     grad_enabled=torch.is_grad_enabled())
+    return LCEFunction.apply(hidden, weight, bias, target, call)
+
+
 def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
-    """Partial input gradients are summed across ranks in fp32; alone, a rank's is the answer."""
-    return torch.float32 if call.reducer.world_size > 1 else input.dtype
+    """Partial input gradients are summed across ranks in fp32 (fp64 for fp64 inputs); alone, a
+    rank's is the answer."""
+    return compute_dtype(input.dtype) if call.reducer.world_size > 1 else input.dtype
 
 
 def _forward_grad_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan | None:
-    """The gradient-in-forward plan where the cce impl runs and a gradient is wanted. Decided
-    from what every rank shares (the padded shard's rows), so every rank walks the same chunks."""
-    if call.impl != "cce" or not any(needs):
+    """The gradient-in-forward plan where a gradient is wanted and the strategy has one. Decided
+    by the group's strategy from what every rank shares (the padded shard's rows), so every rank
+    walks the same chunks, a rank of vocabulary padding too."""
+    if not any(needs):
         return None
-    return plan_forward_gradients(
+    return call.strategy.plan_forward_gradients(
         call.opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.element_size(),
         needs[1],
     )
@@ -396,12 +481,12 @@ def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):
     d_hidden, d_shard_w, d_shard_b = grads
     d_input = None
     if needs[0]:
-        d_hidden = scale_unless_one_(d_hidden, scale)
+        d_hidden = ctx.strategy.scale_(d_hidden, scale)
         d_input = call.reducer.reduce_input_grad(d_hidden).to(input.dtype).reshape(input.shape)
     d_weight = None
     accumulator = call.weight_grad_accumulator
     if needs[1] and accumulator is None:
-        d_weight = pad_rows(scale_unless_one_(d_shard_w, scale), weight)
+        d_weight = pad_rows(ctx.strategy.scale_(d_shard_w, scale), weight)
     elif needs[1]:
         accumulator[: call.local_classes].addcmul_(d_shard_w, scale)
         d_weight = _main_grad_protocol(ctx.weight_param, weight)

@@ -110,16 +110,18 @@ def _chunks(n_rows: int, rows: int) -> int:
 
 
 def assumed_token_grad(
-    valid: torch.Tensor, n_valid: torch.Tensor, reduction: str, loss_mask: torch.Tensor | None
+    valid: torch.Tensor, n_valid: torch.Tensor, reduction: str, loss_mask: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The per-token upstream gradient the forward builds G with, (N,) fp32: the gradient of the
-    reduced loss for an upstream gradient of 1 ("mean", "sum"), else the mask."""
-    weights = valid.float()
+    """The per-token upstream gradient the forward builds G with, (N,) in ``dtype`` (fp32; fp64
+    for fp64 inputs): the gradient of the reduced loss for an upstream gradient of 1 ("mean",
+    "sum"), else the mask."""
+    weights = valid.to(dtype)
     if reduction == "mean":
         # Not weights / n_valid: with every token ignored that is 0 / 0 on every row.
-        return torch.where(valid, 1.0 / n_valid.float(), 0.0)
+        return torch.where(valid, 1.0 / n_valid.to(dtype), 0.0)
     if reduction == "none" and loss_mask is not None:
-        return weights * loss_mask.reshape(-1).float()
+        return weights * loss_mask.reshape(-1).to(dtype)
     return weights
 
 
@@ -142,8 +144,8 @@ def upstream_scale(
     if grad_lse is not None or grad_loss is None:
         return None, None
     if reduction != "none":
-        return grad_loss.reshape(()).float(), None
-    actual = grad_loss.reshape(-1).float()
+        return grad_loss.reshape(()).to(assumed.dtype), None
+    actual = grad_loss.reshape(-1).to(assumed.dtype)
     # c from the token the assumption weighs most; with a 0/1 mask it is that token's gradient.
     k = assumed.abs().argmax()
     c = torch.where(assumed[k] != 0, actual[k] / assumed[k], torch.zeros_like(actual[k]))
@@ -162,7 +164,7 @@ def warn_recompute(where: str) -> None:
     warnings.warn(
         f"{where}: the upstream gradient is not a multiple of the one the forward assumed (a "
         "gradient through the returned lse, or per-token loss gradients not proportional to "
-        "loss_mask); the gradients are recomputed exactly, at the cost of the four-GEMM "
-        "backward. Pass the mask your loss applies as loss_mask to avoid this.",
+        "loss_mask); the gradients are recomputed exactly, at the cost of recomputing the "
+        "logits in the backward. Pass the mask your loss applies as loss_mask to avoid this.",
         stacklevel=3,
     )

@@ -1,9 +1,11 @@
-"""The cce path: the Triton kernels as a shard strategy of engine.LCEFunction.
+"""The cce impl: the Triton kernels and cuBLAS as an engine ``ShardStrategy`` (``TritonShard``).
 
-The forward saves (lse, a few (N,) vectors), the backward recomputes. ``prepare_rows`` orders the
-tokens, ``shard_statistics`` runs the forward kernel on one weight shard and ``shard_backward``
-the backward; ``TritonShard`` is the strategy the engine calls on one device and in the
-vocab-parallel layer alike. Nothing in this file talks to other ranks.
+By default the engine walks token chunks with ``TritonGradientChunks`` (cuBLAS logits, the
+logit_rows kernels, cuBLAS gradients: gradients in the forward). Otherwise the forward saves
+(lse, a few (N,) vectors) and the backward recomputes: ``prepare_rows`` orders the tokens,
+``shard_statistics`` runs the forward kernel on one weight shard and ``shard_backward`` the
+backward. ``TritonShard`` serves one device and the vocab-parallel layer alike; nothing in this
+file talks to other ranks.
 
 Per-row vectors (target, bias) reach the kernels with unit stride: the building blocks make a
 strided view contiguous once (a copy of N or V elements), and the launchers check it.
@@ -22,14 +24,16 @@ from .backward_plan import (
     plan_gemm_backward_for,
     use_vocab_sort,
 )
-from .engine import LCEFunction, ShardCall, ShardGradRequest, ShardInputs, ShardStatistics
-from .forward_grad import ForwardGradPlan
+from .engine import ShardGradRequest, ShardInputs, ShardStatistics
+from .forward_grad import ForwardGradPlan, plan_forward_gradients
 from .kernels.backward import lce_backward
-from .kernels.common import INTERPRET, accumulate_mm, mm_into
+from .kernels.common import INTERPRET
 from .kernels.grad_logits import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
-from .options import LCEOptions, without_backward_options
+from .kernels.products import accumulate_mm, mm_into
+from .kernels.scale import scale_unless_one_
+from .options import LCEOptions
 from .terms import GradCoefficients
 
 
@@ -181,7 +185,10 @@ def _into_accumulator(grads, d_weight_accumulator: torch.Tensor | None):
 
 
 class TritonShard:
-    """The Triton kernels on one shard: an engine.LCEFunction shard strategy."""
+    """The Triton kernels on one shard: an engine ``ShardStrategy``."""
+
+    plan_forward_gradients = staticmethod(plan_forward_gradients)
+    scale_ = staticmethod(scale_unless_one_)
 
     @staticmethod
     def statistics(inputs: ShardInputs):
@@ -307,25 +314,3 @@ class TritonShardState:
     rows: RowOrder
     col_sum: torch.Tensor | None  # (V_local,) for vocab sorting
     kept: KeptLogits | None  # the forward's logits (keeps_logits), consumed by the backward
-
-
-def cce_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    opts: LCEOptions,
-    loss_mask: torch.Tensor | None = None,
-    target_check=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) through the Triton kernels. hidden (N, D), weight (V, D), target (N,);
-    ``target_check``: a checks.PendingTargetCheck to read before the targets are."""
-    if opts.num_classes is not None:
-        weight = weight[: opts.num_classes]
-        bias = None if bias is None else bias[: opts.num_classes]
-    opts = without_backward_options(opts, hidden, weight, bias)
-    n_classes = weight.shape[0]
-    call = ShardCall(opts, "cce", vocab_start=0, local_classes=n_classes, num_classes=n_classes,
-                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
-                     target_check=target_check)
-    return LCEFunction.apply(hidden, weight, bias, target, call)

@@ -152,8 +152,8 @@ class LCEOptions:
     (cce on CUDA, chunked elsewhere)."""
     chunk_by: ChunkBy = "vocab"
     """Chunked impl: "vocab" (online softmax over vocabulary chunks, gradients recomputed in the
-    backward) or "tokens" (gradients computed in the forward, token chunk by token chunk; needs a
-    scalar loss)."""
+    backward) or "tokens" (gradients computed in the forward, token chunk by token chunk, for the
+    upstream gradient assumed as cce assumes it; recomputed the vocab way where it differs)."""
     vocab_chunk_size: int | None = None
     """Vocabulary columns per chunk of the chunked impl (env FUSED_LCE_VOCAB_CHUNK, 4096)."""
     token_chunk_size: int | None = None

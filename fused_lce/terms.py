@@ -107,10 +107,11 @@ def reduce_tokens(loss: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> 
 
 
 def loss_gradient_per_token(
-    grad_loss: torch.Tensor, n_rows: int, n_valid: torch.Tensor, reduction: str
+    grad_loss: torch.Tensor, n_rows: int, n_valid: torch.Tensor, reduction: str,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """d(reduced loss)/d(token loss) times the incoming gradient, (N,) fp32."""
-    grad_loss = grad_loss.float()
+    """d(reduced loss)/d(token loss) times the incoming gradient, (N,) in ``dtype``."""
+    grad_loss = grad_loss.to(dtype)
     if reduction == "none":
         return grad_loss.reshape(n_rows)
     if reduction == "mean":

@@ -153,18 +153,30 @@ def vocab_parallel_linear_cross_entropy(
     local_classes = max(0, min(weight.shape[0], num_classes - start))
     opts = without_backward_options(opts, input, weight, bias)
     call = ShardCall(
-        opts, resolve_impl(opts, input.device, input.dtype), vocab_start=start,
+        opts, _strategy(resolve_impl(opts, input.device, input.dtype)), vocab_start=start,
         local_classes=local_classes, num_classes=num_classes,
         reducer=comm.GroupReducer(group, sequence_parallel),
         weight_grad_accumulator=weight_grad_accumulator,
         loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
-        caller="vocab_parallel_linear_cross_entropy",
+        caller="vocab_parallel_linear_cross_entropy", grad_enabled=torch.is_grad_enabled(),
     )
     loss, lse = LCEFunction.apply(input, weight, bias, target, call)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     lse = lse.reshape(target.shape)
     return (loss, lse) if return_lse else loss
+
+
+def _strategy(impl: str):
+    """The shard strategy of a resolved impl; imported here, so that the chunked impl needs no
+    Triton."""
+    if impl == "cce":
+        from fused_lce.function import TritonShard
+
+        return TritonShard
+    from fused_lce.chunked import ChunkedShard
+
+    return ChunkedShard
 
 
 def _check_call(input, weight, target, bias, options: dict, group, sequence_parallel,

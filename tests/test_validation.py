@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close_rel
 
-import fused_lce.chunked
+import fused_lce.api
 import fused_lce.function
 import fused_lce.reference
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
@@ -48,10 +48,9 @@ def _work_ran(*args, **kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     for module, name in (
-        (fused_lce.function, "cce_linear_cross_entropy"),
+        (fused_lce.api, "single_device_loss"),  # cce and chunked
         (fused_lce.function, "lse_forward"),
         (fused_lce.function, "lce_backward"),
-        (fused_lce.chunked, "chunked_linear_cross_entropy"),
         (fused_lce.reference, "reference_linear_cross_entropy"),
     ):
         monkeypatch.setattr(module, name, _work_ran)
@@ -193,11 +192,6 @@ def test_unknown_impl(no_work):
 def test_cce_rejects_fp64(no_work):
     with pytest.raises(TypeError, match=r"impl='cce' supports float16, bfloat16 and float32"):
         _call("cce", lambda p: {k: v.double() for k, v in p.items() if k != "target"}, {})
-
-
-def test_chunk_by_tokens_needs_a_scalar_loss(no_work):
-    with pytest.raises(ValueError, match=r"chunk_by='tokens'.*needs a scalar loss"):
-        _call("chunked", lambda p: {}, {"chunk_by": "tokens", "reduction": "none"})
 
 
 def test_module_validates_options_at_construction():

@@ -25,7 +25,6 @@ from .backward import check_row_vectors, grad_from_logits, load_row_terms
 from .common import (
     INTERPRET,
     TileConfig,
-    accumulate_mm,
     check_operands,
     check_vector,
     dot_settings,
@@ -37,6 +36,7 @@ from .common import (
     use_tma,
 )
 from .lse_forward import KeptLogits, valid_rows
+from .products import accumulate_mm
 
 
 @triton.heuristics(
