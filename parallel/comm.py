@@ -126,7 +126,7 @@ class GroupReducer:
 
 class HostGroupError(RuntimeError):
     """A host-side exchange among a group's ranks did not complete within the group's timeout
-    (a member is absent or waits elsewhere), or its host group failed so earlier."""
+    (a member is absent or waits elsewhere), or whose host group failed so before."""
 
 
 @dataclass
@@ -143,6 +143,7 @@ class HostGroup:
 
 _host_groups: dict[tuple[int, ...], HostGroup] = {}
 _generations: dict[tuple[int, ...], int] = {}  # host groups of these members made so far
+_world: list = [None]  # the default group the host groups above belong to
 
 
 def takes_cpu_tensors(group) -> bool:
@@ -173,6 +174,11 @@ def group_timeout(group) -> timedelta:
 def host_group(group) -> HostGroup:
     """The host group of ``group``'s ranks, formed at the first call on them (by the members
     only; bounded by ``group``'s timeout); raises HostGroupError if some member does not come."""
+    world = c10d._get_default_group()
+    if _world[0] is not world:  # a new init_process_group: its store and peers are new
+        release_host_groups()
+        _generations.clear()
+        _world[0] = world
     members = tuple(sorted(dist.get_process_group_ranks(group)))
     cached = _host_groups.get(members)
     if cached is None:
