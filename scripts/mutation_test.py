@@ -309,6 +309,9 @@ def main(argv=None) -> int:
     p.add_argument("--at", action="append", default=None, metavar="PATH:LINE",
                    help="only the mutants on this line, e.g. fused_lce/engine.py:328 "
                         "(repeatable; to rerun survivors)")
+    p.add_argument("--tests", nargs="+", default=None,
+                   help="pytest arguments instead of the module's (e.g. a survivor against "
+                        "more of the suite)")
     p.add_argument("--list", action="store_true", help="print the mutants and exit")
     p.add_argument("--json", type=Path, default=None, help="write every mutant's outcome here")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy")
@@ -339,7 +342,7 @@ def main(argv=None) -> int:
         import torch  # noqa: F401 -- imported once, before the children fork
         import triton  # noqa: F401
         for module, mutants in plan.items():
-            tests, target = TARGETS[module].tests, tree / module
+            tests, target = tuple(args.tests or TARGETS[module].tests), tree / module
             original = target.read_text()
             outcome, baseline = run_tests(tree, tests, timeout=1800)
             if outcome != "survived":

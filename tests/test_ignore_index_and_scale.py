@@ -54,10 +54,11 @@ PATHS = {
 }
 
 
-def problem(ignore_index: int, seed: int, n=N):
-    """A peaked problem with a bias and a fifth of the tokens marked ``ignore_index``."""
+def problem(ignore_index: int, seed: int, n=N, num_classes=None):
+    """A peaked problem with a bias and a fifth of the tokens marked ``ignore_index``; targets
+    below ``num_classes`` (default: every row)."""
     hidden, weight, target, bias = make_problem(n, V, D, torch.float32, ignore_frac=0.2,
-                                                bias=True, seed=seed)
+                                                bias=True, seed=seed, num_classes=num_classes)
     target = target.masked_fill(target == IGNORE_INDEX, ignore_index)
     return hidden, weight, target, bias
 
@@ -185,26 +186,34 @@ S, B = 10, 3  # 30 tokens; with SP 5 positions a rank
 
 
 def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed: int,
-                   terms: dict | None = None) -> None:
+                   terms: dict | None = None, vocab_size: int | None = None) -> None:
     """One call on this rank against its slice of the oracle; with ``terms`` the lse is
-    returned and enters the objective."""
+    returned and enters the objective. ``vocab_size``: rows past it are vocabulary padding. An
+    ignore_index of -100 is left to the layer's default."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     ignore_index, reduction, upstream = case
-    hidden, weight, target, bias = problem(ignore_index, seed, n=S * B)
+    hidden, weight, target, bias = problem(ignore_index, seed, n=S * B, num_classes=vocab_size)
     hidden, target = hidden.reshape(S, B, D), target.reshape(S, B)
     lo, hi = rank * V // world, (rank + 1) * V // world  # 48 and 49 rows
     s_lo, s_hi = (rank * S // world, (rank + 1) * S // world) if sp else (0, S)
     h = hidden[s_lo:s_hi].clone().requires_grad_()
     w = weight[lo:hi].clone().requires_grad_()
     b = bias[lo:hi].clone().requires_grad_()
+    options = dict(terms or {}, vocab_size=vocab_size)
+    if ignore_index != -100:
+        options["ignore_index"] = ignore_index
     loss, lse = vocab_parallel_linear_cross_entropy(
-        h, w, target, b, sequence_parallel=sp, impl=impl, ignore_index=ignore_index,
-        reduction=reduction, return_lse=True, **(terms or {}))
+        h, w, target, b, sequence_parallel=sp, impl=impl, reduction=reduction, return_lse=True,
+        **options)
     objective(loss, upstream, seed, lse.reshape(-1) if terms else None).backward()
-    flat = (hidden.reshape(-1, D), weight, target.reshape(-1), bias)
+    classes = vocab_size or V
+    flat = (hidden.reshape(-1, D), weight[:classes], target.reshape(-1), bias[:classes])
     expected_loss, expected_lse, full = fp64_oracle(*flat, ignore_index, reduction, upstream,
                                                     seed, terms, with_lse=bool(terms))
+    for name in ("weight", "bias"):  # padding rows: zero gradient
+        full[name] = torch.cat([full[name], full[name].new_zeros((V - classes,
+                                                                  *full[name].shape[1:]))])
     label = f"tp={world} rank={rank} {impl} sp={sp} {case}{' terms' if terms else ''}"
     assert_close_rel(lse.reshape(-1), expected_lse, TOL, f"{label} lse")
     expected = {"input": full["input"].reshape(S, B, D)[s_lo:s_hi], "weight": full["weight"][lo:hi],
@@ -215,13 +224,16 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
 
 
 def _parallel_suite(rank: int, world: int) -> list[str]:
-    calls = [(impl, sp, case, seed, None) for impl in ("cce", "chunked") for sp in (False, True)
+    impls = ("cce", "chunked")
+    calls = [(impl, sp, case, seed, None, None) for impl in impls for sp in (False, True)
              for seed, case in enumerate(CASES, start=31)]
-    calls += [(impl, True, (7, "none", "random"), 41, TERMS) for impl in ("cce", "chunked")]
+    calls += [(impl, True, (7, "none", "random"), 41, TERMS, None) for impl in impls]
+    # The default ignore_index, and 7 rows of vocabulary padding on rank 1.
+    calls += [(impl, False, (-100, "mean", "scaled"), 42, None, V - 7) for impl in impls]
     errors = []
-    for impl, sp, case, seed, terms in calls:
+    for impl, sp, case, seed, terms, vocab_size in calls:
         try:
-            _parallel_case(rank, world, impl, sp, case, seed, terms)
+            _parallel_case(rank, world, impl, sp, case, seed, terms, vocab_size)
         except AssertionError as exc:
             errors.append(str(exc))
         except Exception:
