@@ -63,12 +63,20 @@ def problem(ignore_index: int, seed: int, n=N, num_classes=None):
     return hidden, weight, target, bias
 
 
+def token_mask(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A 0/1 float mask, about 70% ones (Megatron's loss mask)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) < 0.7).double()
+
+
 def objective(loss: torch.Tensor, upstream: str, seed: int, lse=None) -> torch.Tensor:
-    """3 * loss, or for "none" a sum weighted by 3 or by a random weight per token; plus the lse
-    with random weights, when given."""
+    """3 * loss; for "none" a sum weighted by 3, by 3 * token_mask ("masked") or by a random
+    weight per token ("random"); plus the lse with random weights, when given."""
     gen = torch.Generator().manual_seed(seed)
     if upstream == "scaled":
         total = SCALE * loss.sum()
+    elif upstream == "masked":
+        total = SCALE * (loss * token_mask(tuple(loss.shape), seed).to(loss.dtype)).sum()
     else:
         weights = 0.5 + torch.rand(loss.shape, generator=gen, dtype=torch.float64)
         total = (loss * weights.to(loss.dtype)).sum()
@@ -186,10 +194,13 @@ S, B = 10, 3  # 30 tokens; with SP 5 positions a rank
 
 
 def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed: int,
-                   terms: dict | None = None, vocab_size: int | None = None) -> None:
+                   terms: dict | None = None, vocab_size: int | None = None,
+                   accumulate: bool = False) -> None:
     """One call on this rank against its slice of the oracle; with ``terms`` the lse is
     returned and enters the objective. ``vocab_size``: rows past it are vocabulary padding. An
-    ignore_index of -100 is left to the layer's default."""
+    ignore_index of -100 is left to the layer's default; an upstream "masked" passes its mask
+    as ``loss_mask``. ``accumulate``: the weight gradient goes into a filled
+    ``weight_grad_accumulator`` (Megatron's main_grad)."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     ignore_index, reduction, upstream = case
@@ -203,6 +214,11 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
     options = dict(terms or {}, vocab_size=vocab_size)
     if ignore_index != -100:
         options["ignore_index"] = ignore_index
+    if upstream == "masked":
+        options["loss_mask"] = token_mask((S, B), seed).float()
+    before = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))
+    if accumulate:
+        options["weight_grad_accumulator"] = before.clone()
     loss, lse = vocab_parallel_linear_cross_entropy(
         h, w, target, b, sequence_parallel=sp, impl=impl, reduction=reduction, return_lse=True,
         **options)
@@ -219,27 +235,35 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
     expected = {"input": full["input"].reshape(S, B, D)[s_lo:s_hi], "weight": full["weight"][lo:hi],
                 "bias": full["bias"][lo:hi]}
     grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
+    if accumulate:
+        assert w.grad is None, f"{label}: a .grad besides the accumulator"
+        grads["weight"] = options["weight_grad_accumulator"] - before
     check_run(loss, grads, expected_loss.reshape(loss.shape), expected,
               target[s_lo:s_hi] == ignore_index, label)
 
 
 def _parallel_suite(rank: int, world: int) -> list[str]:
-    impls = ("cce", "chunked")
-    calls = [(impl, sp, case, seed, None, None) for impl in impls for sp in (False, True)
-             for seed, case in enumerate(CASES, start=31)]
-    calls += [(impl, True, (7, "none", "random"), 41, TERMS, None) for impl in impls]
-    # The default ignore_index, and 7 rows of vocabulary padding on rank 1.
-    calls += [(impl, False, (-100, "mean", "scaled"), 42, None, V - 7) for impl in impls]
+    calls = [dict(impl=impl, sp=sp, case=case, seed=seed) for impl in ("cce", "chunked")
+             for sp in (False, True) for seed, case in enumerate(CASES, start=31)]
+    for impl in ("cce", "chunked"):
+        calls += [
+            # every term, the lse in the objective (the recompute backward), main_grad
+            dict(impl=impl, sp=True, case=(7, "none", "random"), seed=41, terms=TERMS,
+                 accumulate=True),
+            # the default ignore_index, and 7 rows of vocabulary padding on rank 1
+            dict(impl=impl, sp=False, case=(-100, "mean", "scaled"), seed=42, vocab_size=V - 7),
+            # Megatron's masked sum, its mask passed as loss_mask
+            dict(impl=impl, sp=True, case=(-1, "none", "masked"), seed=43),
+        ]
     errors = []
-    for impl, sp, case, seed, terms, vocab_size in calls:
+    for call in calls:
         try:
-            _parallel_case(rank, world, impl, sp, case, seed, terms, vocab_size)
+            _parallel_case(rank, world, **call)
         except AssertionError as exc:
             errors.append(str(exc))
         except Exception:
             # The ranks may be out of step in their collectives now: stop here.
-            errors.append(f"rank={rank} {impl} sp={sp} {case} raised:\n"
-                          + traceback.format_exc())
+            errors.append(f"rank={rank} {call} raised:\n" + traceback.format_exc())
             return errors
     return errors
 
