@@ -200,7 +200,7 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
     returned and enters the objective. ``vocab_size``: rows past it are vocabulary padding. An
     ignore_index of -100 is left to the layer's default; an upstream "masked" passes its mask
     as ``loss_mask``. ``accumulate``: the weight gradient goes into a filled
-    ``weight_grad_accumulator`` (Megatron's main_grad)."""
+    ``weight_grad_accumulator`` (Megatron's main_grad) and the bias is frozen."""
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
     ignore_index, reduction, upstream = case
@@ -210,7 +210,7 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
     s_lo, s_hi = (rank * S // world, (rank + 1) * S // world) if sp else (0, S)
     h = hidden[s_lo:s_hi].clone().requires_grad_()
     w = weight[lo:hi].clone().requires_grad_()
-    b = bias[lo:hi].clone().requires_grad_()
+    b = bias[lo:hi].clone().requires_grad_(not accumulate)  # a frozen bias beside main_grad
     options = dict(terms or {}, vocab_size=vocab_size)
     if ignore_index != -100:
         options["ignore_index"] = ignore_index
@@ -236,8 +236,9 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
                 "bias": full["bias"][lo:hi]}
     grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
     if accumulate:
-        assert w.grad is None, f"{label}: a .grad besides the accumulator"
+        assert w.grad is None and b.grad is None, f"{label}: a .grad besides the accumulator"
         grads["weight"] = options["weight_grad_accumulator"] - before
+        del grads["bias"]
     check_run(loss, grads, expected_loss.reshape(loss.shape), expected,
               target[s_lo:s_hi] == ignore_index, label)
 
