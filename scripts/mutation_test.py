@@ -90,7 +90,7 @@ TARGETS: dict[str, Target] = {
     "fused_lce/function.py": Target(
         ("prepare_rows", "local_targets", "TritonGradientChunks.statistics",
          "TritonGradientChunks.gradients", "TritonGradientChunks.finish"),
-        (*_OP, *_PLANS[-2:])),
+        (*_OP, *_PLANS[-2:], *_TP2)),
     "parallel/comm.py": Target(
         ("all_reduce_max_", "all_reduce_sum_", "all_gather_first_dim",
          "reduce_scatter_first_dim", "GroupReducer.gather_input",
