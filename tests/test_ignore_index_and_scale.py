@@ -243,6 +243,38 @@ def _parallel_case(rank: int, world: int, impl: str, sp: bool, case: tuple, seed
               target[s_lo:s_hi] == ignore_index, label)
 
 
+def _partial_sums_in_fp32(rank: int, world: int) -> list[str]:
+    """16-bit inputs: the ranks' partial input gradients are summed in fp32, as the collective
+    budget in parallel/vocab_parallel.py says (in bf16 the sum of partials that cancel would
+    keep only their rounding)."""
+    from fused_lce.parallel import comm, vocab_parallel_linear_cross_entropy
+
+    seen, original = [], comm.GroupReducer.reduce_input_grad
+
+    def spy(self, d_hidden):
+        seen.append(d_hidden.dtype)
+        return original(self, d_hidden)
+
+    comm.GroupReducer.reduce_input_grad = spy
+    try:
+        hidden, weight, target, bias = problem(7, 44, n=S * B)
+        lo, hi = rank * V // world, (rank + 1) * V // world
+        for impl in ("cce", "chunked"):
+            for backward in ("auto", "gemm"):
+                if impl == "chunked" and backward != "auto":
+                    continue
+                h = hidden.reshape(S, B, D).bfloat16().requires_grad_()
+                loss = vocab_parallel_linear_cross_entropy(
+                    h, weight[lo:hi].bfloat16(), target.reshape(S, B), impl=impl,
+                    backward=backward, ignore_index=7)
+                loss.backward()
+    finally:
+        comm.GroupReducer.reduce_input_grad = original
+    if seen != [torch.float32] * 3:
+        return [f"rank={rank}: partial input gradients summed in {seen}, expected 3 x fp32"]
+    return []
+
+
 def _parallel_suite(rank: int, world: int) -> list[str]:
     calls = [dict(impl=impl, sp=sp, case=case, seed=seed) for impl in ("cce", "chunked")
              for sp in (False, True) for seed, case in enumerate(CASES, start=31)]
@@ -266,7 +298,7 @@ def _parallel_suite(rank: int, world: int) -> list[str]:
             # The ranks may be out of step in their collectives now: stop here.
             errors.append(f"rank={rank} {call} raised:\n" + traceback.format_exc())
             return errors
-    return errors
+    return errors + _partial_sums_in_fp32(rank, world)
 
 
 def test_vocab_parallel_matches_torch(tmp_path):
