@@ -203,7 +203,7 @@ def _unshare_adam_steps(optimizer) -> None:
 def _sharded_state(args, step, gpt, optimizer, *, loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing import ShardedObject
 
-    from lce_train.model import supported_kwargs
+    from lce_train.signatures import supported_kwargs
 
     fn = gpt.sharded_state_dict
     model_sd = fn(prefix="", **supported_kwargs(fn, metadata=SHARDING_METADATA))

@@ -208,7 +208,7 @@ def build_gpt_dataset(values, seq_length: int, vocab_size: int, seed: int, num_s
                       cache_path: str | None = None):
     """megatron-core's dataset of at least ``num_samples`` windows of ``values`` (a prefix or
     a blend), shuffled with ``seed``."""
-    from lce_train.model import supported_kwargs
+    from lce_train.signatures import supported_kwargs
 
     builder_cls, gpt_cls, config_cls = _import_dataset_classes()
     prefixes, weights = parse_blend(values)

@@ -12,7 +12,8 @@ import torch
 
 from lce_train.checkpoint import rng_state, set_rng_state
 from lce_train.data import TokenWindows, token_counts
-from lce_train.model import loss_func, supported_kwargs
+from lce_train.model import loss_func
+from lce_train.signatures import supported_kwargs
 
 
 class SeenTokens:

@@ -34,7 +34,8 @@ import torch
 
 from lce_train.arguments import parse_args as parse_launcher_args
 from lce_train.data import training_data
-from lce_train.model import forward_step, init_distributed, quiet_known_warnings, supported_kwargs
+from lce_train.model import forward_step, init_distributed, quiet_known_warnings
+from lce_train.signatures import supported_kwargs
 from lce_train.training import build_training
 
 

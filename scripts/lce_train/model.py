@@ -8,7 +8,6 @@ without it.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import warnings
 from functools import partial
@@ -17,6 +16,7 @@ import torch
 
 from fused_lce.parallel import megatron as lce_megatron
 from lce_train.arguments import cce_options
+from lce_train.signatures import supported_kwargs
 
 
 def quiet_known_warnings() -> None:
@@ -33,18 +33,6 @@ def quiet_known_warnings() -> None:
         ".*all_gather_into_tensor.* is deprecated.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def supported_kwargs(fn, **kwargs) -> dict:
-    """``kwargs`` restricted to the parameters ``fn`` takes (megatron-core signatures drift)."""
-    return {k: v for k, v in kwargs.items() if _accepts(fn, k)}
 
 
 def init_distributed(args) -> None:

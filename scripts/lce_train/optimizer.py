@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from lce_train.model import supported_kwargs
+from lce_train.signatures import supported_kwargs
 
 
 def learning_rate(args, step: int) -> float:

@@ -30,10 +30,10 @@ from lce_train.model import (
     forward_step,
     init_distributed,
     quiet_known_warnings,
-    supported_kwargs,
     transformer_config,
 )
 from lce_train.optimizer import build_optimizer, learning_rate
+from lce_train.signatures import supported_kwargs
 
 
 def _peak_memory() -> int:
