@@ -74,17 +74,18 @@ TARGETS: dict[str, Target] = {
         (*_OP, "tests/test_reference.py")),
     "fused_lce/engine.py": Target(
         ("flat_rows", "global_statistics", "_shard_inputs", "LCEFunction.forward",
-         "LCEFunction.backward", "_partial_dtype", "_forward_grad_plan", "_lse_nll",
-         "_gradients_in_forward", "_scaled_gradients", "pad_rows"),
+         "LCEFunction.backward", "single_device_loss", "_partial_dtype", "_forward_grad_plan",
+         "_lse_nll", "_gradients_in_forward", "_scaled_gradients", "pad_rows"),
         (*_OP, *_TP2)),
     "fused_lce/forward_grad.py": Target(
         ("plan_forward_gradients", "_tile_rows", "_chunks", "assumed_token_grad",
          "upstream_scale"),
         (*_OP, *_PLANS)),
     "fused_lce/chunked.py": Target(
-        ("_valid_rows", "_take", "_put", "_local_target", "_logit_grad_", "_reduce",
-         "_fold_into_lse_", "vocab_statistics", "_vocab_forward", "vocab_backward",
-         "_upstream_token_grad", "_token_chunks"),
+        ("_local_target", "_logit_grad_", "_fold_into_lse_", "vocab_statistics",
+         "vocab_backward", "ChunkedShard.statistics", "ChunkedShard.backward",
+         "ChunkedGradientChunks.statistics", "ChunkedGradientChunks.gradients",
+         "ChunkedGradientChunks.finish"),
         (*_OP, "tests/test_chunked.py::test_all_tokens_ignored",
          "tests/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
     "fused_lce/function.py": Target(
