@@ -122,8 +122,6 @@ def check_run(loss, grads, expected_loss, expected_grads, ignored, label) -> Non
 @pytest.mark.parametrize("ignore_index, reduction, upstream", CASES, ids=CASE_IDS)
 def test_single_device_matches_torch(path, ignore_index, reduction, upstream):
     options = PATHS[path]
-    if options.get("chunk_by") == "tokens" and reduction == "none":
-        pytest.skip("chunk_by='tokens' takes scalar losses only")
     seed = 11 + CASES.index((ignore_index, reduction, upstream))
     hidden, weight, target, bias = problem(ignore_index, seed)
     ignored = target == ignore_index
@@ -144,15 +142,14 @@ def test_only_the_wanted_gradient(path, wanted):
     """One leaf wants a gradient: it gets torch's, the others none (a recompute backward too:
     the lse carries a gradient, where the path lets it)."""
     options = PATHS[path]
-    tokens = options.get("chunk_by") == "tokens"
     hidden, weight, target, bias = problem(-1, 27)
     leaves = dict(input=hidden.clone(), weight=weight.clone(), bias=bias.clone())
     leaves[wanted].requires_grad_()
     loss, lse = linear_cross_entropy(leaves["input"], leaves["weight"], target, leaves["bias"],
                                      ignore_index=-1, return_lse=True, **options)
-    objective(loss, "scaled", 27, None if tokens else lse).backward()
+    objective(loss, "scaled", 27, lse).backward()
     _, _, expected = fp64_oracle(hidden, weight, target, bias, -1, "mean", "scaled", 27,
-                                 with_lse=not tokens)
+                                 with_lse=True)
     for name, leaf in leaves.items():
         if name == wanted:
             assert_close_rel(leaf.grad, expected[name], TOL, f"{path} {name} grad")
@@ -167,20 +164,17 @@ TERMS = dict(softcap=4.0, label_smoothing=0.1, z_loss=1e-3)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_every_term_and_the_lse_match_torch(path, reduction):
     """Softcap, label smoothing and z-loss together, with a gradient through the returned lse
-    as well (chunk_by='tokens' returns an lse without one)."""
+    as well (the gradient-in-forward paths then recompute)."""
     options = PATHS[path]
-    tokens = options.get("chunk_by") == "tokens"
-    if tokens and reduction == "none":
-        pytest.skip("chunk_by='tokens' takes scalar losses only")
     seed = 23 if reduction == "mean" else 24
     hidden, weight, target, bias = problem(7, seed)
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
     loss, lse = linear_cross_entropy(h, w, target, b, ignore_index=7, reduction=reduction,
                                      return_lse=True, **TERMS, **options)
     upstream = "scaled" if reduction == "mean" else "random"
-    objective(loss, upstream, seed, None if tokens else lse).backward()
+    objective(loss, upstream, seed, lse).backward()
     expected_loss, expected_lse, expected_grads = fp64_oracle(
-        hidden, weight, target, bias, 7, reduction, upstream, seed, TERMS, with_lse=not tokens)
+        hidden, weight, target, bias, 7, reduction, upstream, seed, TERMS, with_lse=True)
     assert_close_rel(lse, expected_lse, TOL, f"{path} lse")
     grads = {"input": h.grad, "weight": w.grad, "bias": b.grad}
     check_run(loss, grads, expected_loss, expected_grads, target == 7, path)

@@ -172,12 +172,10 @@ def _fail_if_called(*args, **kwargs):
     raise AssertionError("a backward kernel ran before create_graph=True was refused")
 
 
-# Tokens mode takes scalar losses only: no "none" case for it.
 _CREATE_GRAPH_CASES = [
     pytest.param(options, reduction, id=f"{reduction}-{name}")
     for options, name in zip(PATH_OPTIONS[:5], PATH_IDS[:5])
     for reduction in ("mean", "none")
-    if not (options.get("chunk_by") == "tokens" and reduction == "none")
 ]
 
 
