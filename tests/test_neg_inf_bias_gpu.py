@@ -12,20 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_neg_inf_bias import PATHS as CPU_PATHS
 
 from fused_lce import linear_cross_entropy
 
 pytestmark = pytest.mark.requires_cuda
 
 N, V, D = 512, 50000, 256
-PATHS = {
-    "default": dict(impl="cce"),
-    "gemm": dict(impl="cce", backward="gemm"),
-    "lean": dict(impl="cce", backward="gemm", scratch_mb=12),
-    "kept": dict(impl="cce", backward="gemm", recompute_logits=False),
-    "tiles": dict(impl="cce", backward="tiles"),
-    "chunked": dict(impl="chunked"),
-}
+# test_neg_inf_bias.py's paths at the GPU's own chunk sizes.
+PATHS = {name: {k: v for k, v in options.items() if not k.endswith("_chunk_size")}
+         for name, options in CPU_PATHS.items() if name != "chunked-tokens"}
+PATHS["chunked"] = PATHS.pop("chunked-vocab")
 MASKS = {"start": slice(0, 12500), "middle": slice(20000, 30000), "last-quarter": slice(37500, V)}
 
 

@@ -21,56 +21,61 @@ N, V, D = 45, 203, 23
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
-@pytest.mark.parametrize("edit", ["halved", "shifted", "unchanged"])
-def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, monkeypatch):
-    """The caller's loss multiplies by the mask as it is at the backward (edited in place): the
-    forward's gradients were built for the old one, so the backward must recompute."""
-    recomputes = []
-    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
-    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=7)
-    mask = (torch.rand(N, generator=torch.Generator().manual_seed(1)) > 0.3).float()
+@pytest.fixture
+def recomputes(monkeypatch) -> list[str]:
+    """One entry per backward that fell back to the exact recompute."""
+    calls = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: calls.append(where))
+    return calls
 
+
+def _masked_call(regime: str, seed: int):
+    """(hidden, weight, target on the CPU; h, w leaves, the mask and the per-token loss on
+    DEVICE) of a cce call with reduction 'none' and a loss_mask."""
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, regime, seed=seed)
+    mask = (torch.rand(N, generator=torch.Generator().manual_seed(seed)) > 0.3).float()
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
     mask = mask.to(DEVICE)
     loss = linear_cross_entropy(h, w, target.to(DEVICE), impl="cce", reduction="none",
                                 loss_mask=mask)
+    return (hidden, weight, target), (h, w), mask, loss
+
+
+def _assert_fp64_gradients(problem, leaves, weights: torch.Tensor) -> None:
+    """The leaves' gradients equal float64 torch's for sum(weights * per-token loss)."""
+    hidden, weight, target = problem
+    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
+    expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
+    (expected * weights.double().cpu()).sum().backward()
+    for name, ours, exact in zip(("d_hidden", "d_weight"), (leaf.grad for leaf in leaves),
+                                 (h64.grad, w64.grad)):
+        err = (ours.double().cpu() - exact).norm() / exact.norm()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("edit", ["halved", "shifted", "unchanged"])
+def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, recomputes):
+    """The caller's loss multiplies by the mask as it is at the backward (edited in place): the
+    forward's gradients were built for the old one, so the backward must recompute."""
+    problem, leaves, mask, loss = _masked_call("peaked", seed=7)
     if edit == "halved":
         mask[: N // 2] = 0.0
     elif edit == "shifted":
         mask.copy_(mask.roll(1))
     (loss * mask).sum().backward()
-
-    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
-    expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
-    (expected * mask.double().cpu()).sum().backward()
     assert len(walks) == 1
     assert len(recomputes) == (0 if edit == "unchanged" else 1)
-    for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
-        err = (ours.double().cpu() - exact).norm() / exact.norm()
-        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+    _assert_fp64_gradients(problem, leaves, mask)
 
 
 @pytest.mark.parametrize("edit", ["zeroed", "shifted"])
 def test_proportional_upstream_uses_the_forward_gradients_despite_an_edit(edit, walks,
-                                                                          monkeypatch):
+                                                                          recomputes):
     """The upstream gradient is c * (the mask at the forward): the stored gradients apply and
     are right, whatever the caller did to its buffer afterwards."""
-    recomputes = []
-    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
-    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "near-uniform", seed=8)
-    mask = (torch.rand(N, generator=torch.Generator().manual_seed(2)) > 0.3).float()
-    h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
-    mask = mask.to(DEVICE)
-    loss = linear_cross_entropy(h, w, target.to(DEVICE), impl="cce", reduction="none",
-                                loss_mask=mask)
+    problem, leaves, mask, loss = _masked_call("near-uniform", seed=8)
     applied = mask.clone()
     mask.zero_() if edit == "zeroed" else mask.copy_(mask.roll(1))
     (3.0 * loss * applied).sum().backward()
-
-    h64, w64 = (t.double().requires_grad_() for t in (hidden, weight))
-    expected = torch.nn.functional.cross_entropy(h64 @ w64.T, target, reduction="none")
-    (3.0 * expected * applied.double().cpu()).sum().backward()
     assert len(walks) == 1 and not recomputes
-    for name, ours, exact in (("d_hidden", h.grad, h64.grad), ("d_weight", w.grad, w64.grad)):
-        err = (ours.double().cpu() - exact).norm() / exact.norm()
-        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+    _assert_fp64_gradients(problem, leaves, 3.0 * applied)
