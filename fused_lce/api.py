@@ -3,7 +3,7 @@
 Every argument is checked here, before any kernel runs, and then one ``LCEOptions`` travels to the
 chosen implementation:
 
-- ``"cce"``: Triton kernels (fused_lce.function), the product on GPUs;
+- ``"cce"``: Triton kernels (fused_lce.triton_shard), the product on GPUs;
 - ``"chunked"``: pure PyTorch, vocabulary or token chunks (fused_lce.chunked), any device;
 - ``"torch"``: full logits (fused_lce.reference), the oracle;
 - ``"auto"``: cce on CUDA for 16/32-bit floats, chunked elsewhere.
@@ -80,8 +80,9 @@ def linear_cross_entropy(
         return_lse: also return the (differentiable) per-token log-sum-exp, shape ``target``,
             fp32; 0 for ignored tokens.
         num_classes: weight rows at or past this index are vocabulary padding, not classes.
-        backward: cce backward, "auto", "gemm" (gradient chunks + GEMMs) or "tiles" (fused
-            tile kernel with gradient filtering and vocab sorting).
+        backward: cce backward, "auto", "in_forward" (gradients computed in the forward, three
+            GEMMs), "gemm" (gradient chunks + GEMMs in the backward) or "tiles" (fused tile
+            kernel with gradient filtering and vocab sorting).
         filter_eps: tiles backward filtering: "safe" (default), "paper", a float, or None (off).
         vocab_sort: tiles backward: walk the vocabulary by mean logit so negligible tiles cluster.
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
@@ -188,7 +189,7 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
     hidden = input.reshape(math.prod(batch_shape), input.shape[-1])
     flat_target = class_ids(target).reshape(-1)
     if impl == "cce" and hidden.shape[0] > 0:
-        from .function import TritonShard
+        from .triton_shard import TritonShard
 
         target_check = (start_target_check(flat_target, opts.ignore_index, n_classes)
                         if defer_check else None)

@@ -3,7 +3,7 @@ budget.
 
 The options pick the backward ("gemm" or "tiles"), whether the forward keeps its logits for it,
 and how the tiles backward filters and orders the vocabulary. For one call of the GEMM backward
-(kernels/grad_logits.py's ``lce_backward_gemm``) ``plan_gemm_backward`` then names its strategy:
+(kernels/gemm_backward.py's ``lce_backward_gemm``) ``plan_gemm_backward`` then names its strategy:
 
 - "kept": G is formed in the forward's kept logits, no logit is recomputed;
 - "borrowed": the buffers live in the weight gradient's own storage (a ``WeightBufferLayout``);
@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from .kernels.backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config
+from .kernels.tiles_backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config
 from .kernels.common import num_sms
 from .options import LCEOptions
 
@@ -32,9 +32,9 @@ _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
 
 def backward_path(opts: LCEOptions) -> str:
-    """The recomputing backward: "auto" and "forward" (where its gradients do not apply) take
+    """The recomputing backward: "auto" and "in_forward" (where its gradients do not apply) take
     the gemm one."""
-    return "gemm" if opts.backward in ("auto", "forward") else opts.backward
+    return "gemm" if opts.backward in ("auto", "in_forward") else opts.backward
 
 
 def keeps_logits(opts: LCEOptions) -> bool:

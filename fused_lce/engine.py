@@ -3,7 +3,7 @@
 
 A call holds a shard ``[vocab_start, vocab_start + local_classes)`` of the classifier; on one
 device the shard is the whole weight. The caller passes a ``ShardStrategy``: the Triton kernels
-(fused_lce/function.py's ``TritonShard``) or chunked PyTorch (fused_lce/chunked.py's
+(fused_lce/triton_shard.py's ``TritonShard``) or chunked PyTorch (fused_lce/chunked.py's
 ``ChunkedShard``); a rank that holds only vocabulary padding uses ``EmptyShard``. Either the
 forward asks the strategy for the shard's per-row statistics and the backward for the shard's
 gradients, or, where the strategy plans it, the forward walks token chunks and computes the

@@ -72,7 +72,7 @@ def plan_forward_gradients(
     accumulator, and below ``MIN_CHUNK_ROWS`` rows of it the recompute backward (whose buffers
     fit any budget) runs.
     """
-    if opts.backward not in ("auto", "forward") or not opts.recompute_logits or n_rows == 0:
+    if opts.backward not in ("auto", "in_forward") or not opts.recompute_logits or n_rows == 0:
         return None
     row_bytes = max(weight_rows, 1) * elem_bytes
     if opts.token_chunk_explicit:
@@ -89,9 +89,9 @@ def plan_forward_gradients(
             left = max(opts.scratch_bytes - weight_rows * d_model * 4, 0)
             rows = min(rows, _tile_rows(left // row_bytes))
         if rows < min(n_rows, MIN_CHUNK_ROWS):
-            if opts.backward == "forward":
+            if opts.backward == "in_forward":
                 raise ValueError(
-                    f"backward='forward' needs at least {min(n_rows, MIN_CHUNK_ROWS)} tokens of "
+                    f"backward='in_forward' needs at least {min(n_rows, MIN_CHUNK_ROWS)} tokens of "
                     f"logits ({weight_rows} columns) within scratch_mb={opts.scratch_mb}: raise "
                     "scratch_mb or use backward='auto'"
                 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -26,13 +27,14 @@ import torch
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "cce", "chunked", "torch"]
 ChunkBy = Literal["vocab", "tokens"]
-Backward = Literal["auto", "forward", "gemm", "tiles"]
+Backward = Literal["auto", "in_forward", "gemm", "tiles"]
 FilterSpec = float | Literal["safe", "paper"] | None
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
-BACKWARDS = ("auto", "forward", "gemm", "tiles")
+BACKWARDS = ("auto", "in_forward", "gemm", "tiles")
+LEGACY_BACKWARDS = {"forward": "in_forward"}  # the name before 2026-11; accepted with a warning
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
 # the options table).
@@ -106,7 +108,7 @@ class LCEOptions:
     """Number of real classes; weight rows at or past it (vocabulary padding) are excluded.
     None means every weight row is a class."""
     backward: Backward = "auto"
-    """The cce backward. "forward" computes the gradients in the forward, a token chunk at a
+    """The cce backward. "in_forward" computes the gradients in the forward, a token chunk at a
     time, from 16-bit logits that cuBLAS writes and G overwrites: three GEMMs, the backward
     only scales (fused_lce/forward_grad.py; it recomputes exactly where the upstream gradient
     is not the one it assumed). "gemm" recomputes logit-gradient chunks in the backward that
@@ -181,6 +183,11 @@ class LCEOptions:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.backward in LEGACY_BACKWARDS:
+            new_name = LEGACY_BACKWARDS[self.backward]
+            warnings.warn(f"backward={self.backward!r} is now spelled backward={new_name!r}",
+                          FutureWarning, stacklevel=3)
+            object.__setattr__(self, "backward", new_name)
         if self.backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
         if self.chunk_by not in CHUNK_BY:
@@ -221,7 +228,7 @@ class LCEOptions:
                      "fp32_weight_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not self.recompute_logits and self.backward in ("tiles", "forward"):
+        if not self.recompute_logits and self.backward in ("tiles", "in_forward"):
             raise ValueError(
                 "recompute_logits=False needs backward='gemm' or 'auto' (it keeps the logits "
                 f"for the gemm backward), got backward={self.backward!r}"
@@ -301,7 +308,7 @@ def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> 
     """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
     that wants a gradient): an evaluation pass then keeps no logits and computes no gradient."""
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if wanted or (opts.recompute_logits and opts.backward not in ("auto", "forward")):
+    if wanted or (opts.recompute_logits and opts.backward not in ("auto", "in_forward")):
         return opts
     # Neither keep logits nor compute gradients in the forward (whose plain statistics are
     # the gemm backward's forward).

@@ -171,7 +171,7 @@ def _strategy(impl: str):
     """The shard strategy of a resolved impl; imported here, so that the chunked impl needs no
     Triton."""
     if impl == "cce":
-        from fused_lce.function import TritonShard
+        from fused_lce.triton_shard import TritonShard
 
         return TritonShard
     from fused_lce.chunked import ChunkedShard

@@ -37,7 +37,7 @@ DISTRIBUTED = ("torch.distributed", "megatron")
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
-    source: str  # importing module, e.g. "fused_lce.kernels.backward"
+    source: str  # importing module, e.g. "fused_lce.kernels.tiles_backward"
     target: str  # one of our modules, or the imported name of an outside package
     lazy: bool  # inside a function (or a class body), not at module level
     internal: bool  # ``target`` is one of our modules

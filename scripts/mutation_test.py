@@ -88,7 +88,7 @@ TARGETS: dict[str, Target] = {
          "ChunkedGradientChunks.finish"),
         (*_OP, "tests/test_chunked.py::test_all_tokens_ignored",
          "tests/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
-    "fused_lce/function.py": Target(
+    "fused_lce/triton_shard.py": Target(
         ("prepare_rows", "local_targets", "TritonGradientChunks.statistics",
          "TritonGradientChunks.gradients", "TritonGradientChunks.finish"),
         (*_OP, *_PLANS[-2:], *_TP2)),

@@ -410,7 +410,7 @@ def record_chunk_plans(monkeypatch) -> list[tuple[str, tuple[int, int]]]:
     budget really produced several chunks without repeating the planners' arithmetic.
     """
     import fused_lce.backward_plan as gemm
-    import fused_lce.kernels.backward as tiles
+    import fused_lce.kernels.tiles_backward as tiles
 
     plans: list[tuple[str, tuple[int, int]]] = []
     plan_tiles, plan_gemm = tiles.plan_chunks, gemm.plan_gemm_chunks

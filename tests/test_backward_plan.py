@@ -16,7 +16,7 @@ from fused_lce.backward_plan import (
     plan_gemm_backward,
     plan_gemm_backward_for,
 )
-from fused_lce.kernels.grad_logits import lce_backward_gemm
+from fused_lce.kernels.gemm_backward import lce_backward_gemm
 from fused_lce.terms import GradCoefficients
 
 # 256 tokens of D = 64 in bf16 over 5003 columns, with a bias gradient: the budget is what is

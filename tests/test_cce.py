@@ -31,8 +31,8 @@ from helpers_lce import (
 
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.api import resolve_impl
-from fused_lce.function import filter_settings
-from fused_lce.kernels.backward import FILTER_MASS, backward_config
+from fused_lce.triton_shard import filter_settings
+from fused_lce.kernels.tiles_backward import FILTER_MASS, backward_config
 from fused_lce.options import LCEOptions, filter_budget
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -293,7 +293,7 @@ def test_safe_filter_skips_tiles_in_peaked_regime():
 
 def test_kept_logits_skip_the_recompute(monkeypatch):
     """recompute_logits=False really takes the kept path: no logit chunk is recomputed."""
-    import fused_lce.kernels.grad_logits as gemm
+    import fused_lce.kernels.gemm_backward as gemm
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("a logit chunk was recomputed")
@@ -310,7 +310,7 @@ def test_kept_logits_skip_the_recompute(monkeypatch):
 def test_evaluation_keeps_no_logits(monkeypatch):
     """Without a backward to come (no grad mode, or no input wanting a gradient) the forward
     keeps nothing, whatever recompute_logits says."""
-    import fused_lce.function as function
+    import fused_lce.triton_shard as function
 
     asked = []
     statistics = function.shard_statistics

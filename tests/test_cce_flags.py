@@ -32,7 +32,7 @@ def test_one_flag_per_adapter_option_with_the_field_docstring():
     assert "--cce-no-recompute-logits" in actions["cce_recompute_logits"].option_strings
     assert actions["cce_z_loss"].help.startswith("Coefficient of the ``lse**2`` penalty")
     assert tuple(actions["cce_impl"].choices) == ("auto", "cce", "chunked", "torch")
-    assert tuple(actions["cce_backward"].choices) == ("auto", "forward", "gemm", "tiles")
+    assert tuple(actions["cce_backward"].choices) == ("auto", "in_forward", "gemm", "tiles")
 
 
 def test_adding_twice_is_harmless():

@@ -21,8 +21,8 @@ from helpers import assert_close_rel, rel_err
 from helpers_lce import IGNORE_INDEX, make_problem, record_chunk_plans
 
 from fused_lce.backward_plan import plan_gemm_backward_for
-from fused_lce.function import local_targets, prepare_rows
-from fused_lce.kernels.backward import (
+from fused_lce.triton_shard import local_targets, prepare_rows
+from fused_lce.kernels.tiles_backward import (
     FILTER_ENTRY,
     FILTER_MASS,
     FILTER_OFF,
@@ -31,7 +31,7 @@ from fused_lce.kernels.backward import (
     plan_chunks,
 )
 from fused_lce.kernels.common import ENV_TMA, use_tma
-from fused_lce.kernels.grad_logits import grad_logits, lce_backward_gemm
+from fused_lce.kernels.gemm_backward import grad_logits, lce_backward_gemm
 from fused_lce.kernels.lse_forward import lse_forward
 from fused_lce.options import LCEOptions
 from fused_lce.terms import GradCoefficients
@@ -473,7 +473,7 @@ def test_tma_needs_aligned_16_bit_rows():
 @pytest.mark.parametrize("small", [300, 40], ids=["small-300", "small-40"])
 def test_backward_gemm_in_weight_buffer(monkeypatch, dtype, d, tol, options, small):
     import fused_lce.backward_plan as planner
-    import fused_lce.kernels.grad_logits as gemm
+    import fused_lce.kernels.gemm_backward as gemm
 
     n, v = N, 5003
     inputs, grad_logits64, opts = _setup_backward(
@@ -589,7 +589,7 @@ def test_round_logits_end_to_end():
 def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     """The gradients match fp64 without a single grad_logits call. 16 bits: the interpreter
     truncates where the GPU rounds, so this bounds the GPU's error from above."""
-    import fused_lce.kernels.grad_logits as gemm
+    import fused_lce.kernels.gemm_backward as gemm
     import fused_lce.kernels.lse_forward as forward
 
     monkeypatch.setenv(ENV_TMA, tma)
@@ -695,7 +695,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import fused_lce.kernels.grad_logits as gemm
+import fused_lce.kernels.gemm_backward as gemm
 
 signature = {
     "scaled_ptr": "*bf16", "tile_max_ptr": "*fp32", "row_valid_ptr": "*i8",

@@ -186,8 +186,8 @@ def test_explicit_budgets():
     assert _plan(8192, scratch_mb=1024.0, wants_weight=False) == ForwardGradPlan(2048, False)
     assert _plan(8192, scratch_mb=12.0) is None
     assert _plan(8192, scratch_mb=12.0, backward="gemm") is None
-    with pytest.raises(ValueError, match="backward='forward' needs at least 1024 tokens"):
-        _plan(8192, scratch_mb=12.0, backward="forward")
+    with pytest.raises(ValueError, match="backward='in_forward' needs at least 1024 tokens"):
+        _plan(8192, scratch_mb=12.0, backward="in_forward")
     assert MIN_CHUNK_ROWS == 1024
 
 
@@ -226,8 +226,8 @@ def test_upstream_scale():
 
 def test_backward_forward_is_the_walk_and_refuses_kept_logits(walks):
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=6)
-    compare_to_reference(hidden, weight, target, None, impl="cce", backward="forward")
+    compare_to_reference(hidden, weight, target, None, impl="cce", backward="in_forward")
     assert walks == [ForwardGradPlan(N, False)]
     with pytest.raises(ValueError, match="recompute_logits=False needs backward='gemm' or 'auto'"):
-        linear_cross_entropy(hidden, weight, target, impl="cce", backward="forward",
+        linear_cross_entropy(hidden, weight, target, impl="cce", backward="in_forward",
                              recompute_logits=False)

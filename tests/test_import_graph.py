@@ -29,11 +29,11 @@ def test_graph_shows_every_module_and_resolves_relative_imports():
     # `from . import comm` inside parallel/, installed as fused_lce.parallel.
     assert "fused_lce.parallel.comm" in lines["fused_lce.parallel.vocab_parallel [parallel]"]
     # A lazy import (inside a function) is marked as such.
-    assert "fused_lce.function (lazy)" in lines["fused_lce.api [op]"]
+    assert "fused_lce.triton_shard (lazy)" in lines["fused_lce.api [op]"]
     mermaid = _run().stdout
     assert mermaid.startswith("flowchart TD")
     assert mermaid.count("\n  end\n") == mermaid.count("subgraph ") >= 3
-    assert "fused_lce_api -.-> fused_lce_function" in mermaid
+    assert "fused_lce_api -.-> fused_lce_triton_shard" in mermaid
 
 
 # A tree that breaks every rule once; parallel/ is installed as fused_lce.parallel as ours is.

@@ -528,7 +528,7 @@ def test_eval_and_probes_on_text_leave_training_unchanged(tmp_path):
     assert sorted(probes) == [1, 2, 3]
     counts = np.bincount(np.fromfile(f"{train}.bin", dtype=np.uint16), minlength=384)
     for step, probe in probes.items():
-        assert set(probe["grad_rel_err"]) == {"forward", "gemm", "tiles_safe", "tiles_paper",
+        assert set(probe["grad_rel_err"]) == {"in_forward", "gemm", "tiles_safe", "tiles_paper",
                                               "native"}
         for name, errors in probe["grad_rel_err"].items():
             assert max(errors.values()) < 1e-4, (step, name, errors)  # fp32: filters drop ~0

@@ -28,7 +28,7 @@ from helpers_reliability import (
 )
 
 import fused_lce.chunked
-import fused_lce.function
+import fused_lce.triton_shard
 from fused_lce import linear_cross_entropy
 
 N, V, D = 45, 131, 24
@@ -90,9 +90,9 @@ def test_strided_target_batch(options):
 
 def test_launchers_reject_what_their_kernels_misread():
     from fused_lce.backward_plan import plan_gemm_backward_for
-    from fused_lce.function import local_targets, prepare_rows
-    from fused_lce.kernels.backward import lce_backward
-    from fused_lce.kernels.grad_logits import lce_backward_gemm
+    from fused_lce.triton_shard import local_targets, prepare_rows
+    from fused_lce.kernels.tiles_backward import lce_backward
+    from fused_lce.kernels.gemm_backward import lce_backward_gemm
     from fused_lce.kernels.lse_forward import lse_forward
     from fused_lce.terms import GradCoefficients
 
@@ -181,7 +181,7 @@ _CREATE_GRAPH_CASES = [
 
 @pytest.mark.parametrize("options, reduction", _CREATE_GRAPH_CASES)
 def test_create_graph_is_refused_before_any_kernel(options, reduction, monkeypatch):
-    monkeypatch.setattr(fused_lce.function, "shard_backward", _fail_if_called)
+    monkeypatch.setattr(fused_lce.triton_shard, "shard_backward", _fail_if_called)
     monkeypatch.setattr(fused_lce.chunked, "vocab_backward", _fail_if_called)
     hidden, weight, target, _ = make_problem(N, V, D, seed=11)
     h = hidden.requires_grad_()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers_lce import make_problem
 
-import fused_lce.kernels.grad_logits as grad_logits
+import fused_lce.kernels.gemm_backward as grad_logits
 import fused_lce.kernels.lse_forward as lse_forward
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.kernels.common import ENV_TMA, use_tma

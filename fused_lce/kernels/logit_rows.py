@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import grad_from_logits, load_row_terms
+from .tiles_backward import grad_from_logits, load_row_terms
 from .common import INTERPRET, RowCoefficients, check_vector, fold_tile, tanh
 
 

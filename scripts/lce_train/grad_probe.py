@@ -36,7 +36,7 @@ PAPER_EPS = 2.0**-12
 
 PROBE_VARIANTS: dict[str, dict] = {
     # The default op since 2026-11: gradients computed in the forward from 16-bit logits.
-    "forward": {"backward": "forward"},
+    "in_forward": {"backward": "in_forward"},
     # The recomputing GEMM backward (the default before): every tile, nothing filtered.
     "gemm": {"backward": "gemm"},
     # The tile backward with the default mass-bound filter (docs/algorithm.md).

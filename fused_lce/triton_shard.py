@@ -26,9 +26,9 @@ from .backward_plan import (
 )
 from .engine import ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan, plan_forward_gradients
-from .kernels.backward import lce_backward
+from .kernels.tiles_backward import lce_backward
 from .kernels.common import INTERPRET
-from .kernels.grad_logits import lce_backward_gemm
+from .kernels.gemm_backward import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .kernels.products import accumulate_mm, mm_into

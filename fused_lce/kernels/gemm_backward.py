@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import check_row_vectors, grad_from_logits, load_row_terms
+from .tiles_backward import check_row_vectors, grad_from_logits, load_row_terms
 from .common import (
     INTERPRET,
     TileConfig,

@@ -313,7 +313,7 @@ def backward_config(device: torch.device) -> TileConfig:
 
 
 @dataclass
-class BackwardPlan:
+class TilesChunkPlan:
     """How the rows and vocabulary are cut so the fp32 scratch fits the budget."""
 
     rows_per_chunk: int
@@ -322,7 +322,7 @@ class BackwardPlan:
 
 def plan_chunks(
     n_rows: int, n_vocab: int, d_model: int, scratch_bytes: int, cfg: TileConfig
-) -> BackwardPlan:
+) -> TilesChunkPlan:
     """Token and vocabulary chunk sizes whose fp32 scratch (rows + cols) x D fits the budget.
 
     Rows get half the budget first: one token chunk covering every row keeps the weight gradient
@@ -335,7 +335,7 @@ def plan_chunks(
     left = max(scratch_bytes - rows * row_bytes, 0)
     cols = max(cfg.block_v, (left // row_bytes) // cfg.block_v * cfg.block_v)
     cols = min(cols, triton.cdiv(max(n_vocab, 1), cfg.block_v) * cfg.block_v)
-    return BackwardPlan(rows_per_chunk=rows, vocab_per_chunk=cols)
+    return TilesChunkPlan(rows_per_chunk=rows, vocab_per_chunk=cols)
 
 
 def check_row_vectors(
