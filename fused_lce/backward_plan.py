@@ -20,8 +20,8 @@ from typing import Literal
 
 import torch
 
-from .kernels.tiles_backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config
 from .kernels.common import num_sms
+from .kernels.tiles_backward import FILTER_ENTRY, FILTER_MASS, FILTER_OFF, backward_config
 from .options import LCEOptions
 
 # ---------------------------------------------------------------------------------------------

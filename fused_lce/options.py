@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -50,31 +50,21 @@ LEAN_SCRATCH_MB = 12.0
 """The lean mode's ``scratch_mb``: the cce backward's buffers then total under 16 MiB."""
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+def _env_int(name: str, raw: str) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(
-            f"environment variable {name} must be a positive integer, got {raw!r}"
-        ) from None
+        value = 0
     if value <= 0:
         raise ValueError(f"environment variable {name} must be a positive integer, got {raw!r}")
     return value
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+def _env_float(name: str, raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(
-            f"environment variable {name} must be a finite positive number, got {raw!r}"
-        ) from None
+        value = math.nan
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(
             f"environment variable {name} must be a finite positive number, got {raw!r}"
@@ -88,6 +78,23 @@ def filter_budget(dtype: torch.dtype) -> float:
     For bf16 this is 2^-12, the paper's threshold; fp16 gives 2^-15, fp32 2^-28.
     """
     return torch.finfo(dtype).eps / 32.0
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Our environment variables as they were when an ``LCEOptions`` was built ("" where unset);
+    this is the one module that reads them. A value is parsed, and a bad one refused, only where
+    no argument overrides it."""
+
+    vocab_chunk: str = ""  # FUSED_LCE_VOCAB_CHUNK
+    token_chunk: str = ""  # FUSED_LCE_TOKEN_CHUNK
+    scratch_mb: str = ""  # FUSED_LCE_SCRATCH_MB
+    tma: str = ""  # FUSED_LCE_TMA; "0" turns it off
+
+    @classmethod
+    def read(cls) -> Environment:
+        return cls(*(os.environ.get(name, "") for name in
+                     (ENV_VOCAB_CHUNK, ENV_TOKEN_CHUNK, ENV_SCRATCH_MB, ENV_TMA)))
 
 
 @dataclass(frozen=True)
@@ -171,10 +178,13 @@ class LCEOptions:
     layout (16-byte aligned rows) allow; False keeps the pointer kernels (env FUSED_LCE_TMA,
     "0" for False; default True)."""
 
-    # The environment is read here, once, when the options are built (a frozen options object
-    # then behaves the same for the whole run): the chunk sizes, the scratch budget and TMA.
-    # Their resolved values live outside the fields (no repr, no comparison) and are read
-    # through the properties below.
+    environment: Environment = field(
+        default_factory=Environment.read, repr=False, compare=False,
+        metadata={"user": False},
+    )
+    """What our environment variables said when these options were built (not an argument of
+    the op): a frozen options object then behaves the same for the whole run, and
+    ``dataclasses.replace`` carries it over."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -239,51 +249,45 @@ class LCEOptions:
                 raise ValueError(f"scratch_mb must be > 0 and finite, got {self.scratch_mb}")
         if self.tma is not None and not isinstance(self.tma, bool):
             raise TypeError(f"tma must be a bool or None, got {self.tma!r}")
-        self._resolve_environment()
-
-    def _resolve_environment(self) -> None:
-        scratch_env = os.environ.get(ENV_SCRATCH_MB, "") != ""
-        resolved = {
-            "_token_chunk_explicit": self.token_chunk_size is not None,
-            "_scratch_explicit": self.scratch_mb is not None or scratch_env,
-            "_vocab_chunk": self.vocab_chunk_size
-            or _env_int(ENV_VOCAB_CHUNK, DEFAULT_VOCAB_CHUNK),
-            "_token_chunk": self.token_chunk_size
-            or _env_int(ENV_TOKEN_CHUNK, DEFAULT_TOKEN_CHUNK),
-            "_scratch_bytes": int(
-                (self.scratch_mb if self.scratch_mb is not None
-                 else _env_float(ENV_SCRATCH_MB, DEFAULT_SCRATCH_MB)) * 2**20
-            ),
-            "_tma": self.tma if self.tma is not None else os.environ.get(ENV_TMA, "1") != "0",
-        }
-        for name, value in resolved.items():
-            object.__setattr__(self, name, value)
+        if not isinstance(self.environment, Environment):
+            raise TypeError(f"environment must be an options.Environment, got {self.environment!r}")
+        # A bad environment variable is refused now, not at the first kernel: where an argument
+        # overrides it, it is never read.
+        self.vocab_chunk, self.token_chunk, self.scratch_bytes  # noqa: B018
 
     @property
     def vocab_chunk(self) -> int:
-        return self._vocab_chunk
+        if self.vocab_chunk_size is not None or not self.environment.vocab_chunk:
+            return self.vocab_chunk_size or DEFAULT_VOCAB_CHUNK
+        return _env_int(ENV_VOCAB_CHUNK, self.environment.vocab_chunk)
 
     @property
     def token_chunk(self) -> int:
-        return self._token_chunk
+        if self.token_chunk_size is not None or not self.environment.token_chunk:
+            return self.token_chunk_size or DEFAULT_TOKEN_CHUNK
+        return _env_int(ENV_TOKEN_CHUNK, self.environment.token_chunk)
 
     @property
     def scratch_bytes(self) -> int:
-        return self._scratch_bytes
+        mib = self.scratch_mb
+        if mib is None:
+            raw = self.environment.scratch_mb
+            mib = _env_float(ENV_SCRATCH_MB, raw) if raw else DEFAULT_SCRATCH_MB
+        return int(mib * 2**20)
 
     @property
     def scratch_explicit(self) -> bool:
         """Whether the budget came from ``scratch_mb`` or the environment, not the default."""
-        return self._scratch_explicit
+        return self.scratch_mb is not None or self.environment.scratch_mb != ""
 
     @property
     def token_chunk_explicit(self) -> bool:
-        return self._token_chunk_explicit
+        return self.token_chunk_size is not None
 
     @property
     def tma_allowed(self) -> bool:
         """``tma``, or FUSED_LCE_TMA where it is None, as read when the options were built."""
-        return self._tma
+        return self.tma if self.tma is not None else self.environment.tma != "0"
 
     def rounds_logits(self, dtype: torch.dtype) -> bool:
         """Whether the cce kernels round each logit to ``dtype`` (16-bit inputs): where
@@ -304,6 +308,12 @@ class LCEOptions:
         return "entry", float(spec)
 
 
+def user_fields() -> tuple[Field, ...]:
+    """The fields that are options of the op (every keyword of ``linear_cross_entropy``): all but
+    the environment's snapshot."""
+    return tuple(f for f in fields(LCEOptions) if f.metadata.get("user", True))
+
+
 def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> LCEOptions:
     """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
     that wants a gradient): an evaluation pass then keeps no logits and computes no gradient."""
@@ -312,16 +322,7 @@ def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> 
         return opts
     # Neither keep logits nor compute gradients in the forward (whose plain statistics are
     # the gemm backward's forward).
-    return replace_keeping_environment(opts, recompute_logits=True, backward="gemm")
-
-
-def replace_keeping_environment(opts: LCEOptions, **changes) -> LCEOptions:
-    """``dataclasses.replace``, keeping what ``opts`` read from the environment when built."""
-    new = replace(opts, **changes)
-    for name in ("_vocab_chunk", "_token_chunk", "_scratch_bytes", "_tma", "_scratch_explicit",
-                 "_token_chunk_explicit"):
-        object.__setattr__(new, name, getattr(opts, name))
-    return new
+    return replace(opts, recompute_logits=True, backward="gemm")
 
 
 def _check_float(name: str, value: object) -> None:

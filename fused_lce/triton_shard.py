@@ -26,13 +26,13 @@ from .backward_plan import (
 )
 from .engine import ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan, plan_forward_gradients
-from .kernels.tiles_backward import lce_backward
 from .kernels.common import INTERPRET
 from .kernels.gemm_backward import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
 from .kernels.products import accumulate_mm, mm_into
 from .kernels.scale import scale_unless_one_
+from .kernels.tiles_backward import lce_backward
 from .options import LCEOptions
 from .terms import GradCoefficients
 

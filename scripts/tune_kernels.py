@@ -22,12 +22,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from fused_lce.triton_shard import prepare_rows  # noqa: E402
 from fused_lce.kernels import gemm_backward as grad_logits_module  # noqa: E402
 from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
 from fused_lce.kernels.common import TileConfig  # noqa: E402
 from fused_lce.options import LCEOptions  # noqa: E402
 from fused_lce.terms import grad_coefficients  # noqa: E402
+from fused_lce.triton_shard import prepare_rows  # noqa: E402
 from lce_train.configs import load_model_config  # noqa: E402
 
 CANDIDATES = [

@@ -31,9 +31,9 @@ from helpers_lce import (
 
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.api import resolve_impl
-from fused_lce.triton_shard import filter_settings
 from fused_lce.kernels.tiles_backward import FILTER_MASS, backward_config
 from fused_lce.options import LCEOptions, filter_budget
+from fused_lce.triton_shard import filter_settings
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SMALL = (150, 307, 70)

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +26,7 @@ from helpers_parallel import run_on_ranks
 
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.kernels.common import INTERPRET
-from fused_lce.options import ENV_SCRATCH_MB, LCEOptions
+from fused_lce.options import ENV_SCRATCH_MB, LCEOptions, user_fields
 
 N, V, D = 13, 37, 16
 # The Triton paths run on a GPU where there is one, else under the interpreter on CPU tensors.
@@ -165,7 +164,7 @@ def _bool_arguments(annotations: dict) -> list[str]:
 FRONT_DOOR_BOOLS = _bool_arguments(
     {name: p.annotation for name, p in
      inspect.signature(linear_cross_entropy).parameters.items()})
-OPTION_BOOLS = _bool_arguments({f.name: f.type for f in fields(LCEOptions)})
+OPTION_BOOLS = _bool_arguments({f.name: f.type for f in user_fields()})
 
 
 def test_every_switch_is_found():

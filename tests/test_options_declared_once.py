@@ -2,17 +2,16 @@
 lists, the Megatron adapter's option names and docstring, and docs/algorithm.md's table are
 checked against the fields here."""
 
-import dataclasses
 import inspect
 import re
 from pathlib import Path
 
 from fused_lce import linear_cross_entropy
-from fused_lce.options import LCEOptions
+from fused_lce.options import user_fields
 from fused_lce.parallel import megatron, vocab_parallel_linear_cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
-FIELDS = {f.name: f.default for f in dataclasses.fields(LCEOptions)}
+FIELDS = {f.name: f.default for f in user_fields()}
 # Keywords that are not options of the computation: what the call returns or checks, and the
 # vocab-parallel layer's own arguments.
 CALL_KEYWORDS = {"return_lse", "check_targets", "loss_mask"}

@@ -90,11 +90,11 @@ def test_strided_target_batch(options):
 
 def test_launchers_reject_what_their_kernels_misread():
     from fused_lce.backward_plan import plan_gemm_backward_for
-    from fused_lce.triton_shard import local_targets, prepare_rows
-    from fused_lce.kernels.tiles_backward import lce_backward
     from fused_lce.kernels.gemm_backward import lce_backward_gemm
     from fused_lce.kernels.lse_forward import lse_forward
+    from fused_lce.kernels.tiles_backward import lce_backward
     from fused_lce.terms import GradCoefficients
+    from fused_lce.triton_shard import local_targets, prepare_rows
 
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", bias=True)
     rows = prepare_rows(target, -100)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers_lce import make_problem
 
-import fused_lce.kernels.gemm_backward as grad_logits
+import fused_lce.kernels.gemm_backward as gemm_backward
 import fused_lce.kernels.lse_forward as lse_forward
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 from fused_lce.kernels.common import ENV_TMA, use_tma
@@ -18,7 +18,7 @@ D_ALIGNED = 72  # 16-byte rows at bf16: TMA-capable under the interpreter
 def _spy(monkeypatch) -> list[tuple[str, bool]]:
     """Record what each launcher decided about tensor descriptors."""
     seen = []
-    for module in (lse_forward, grad_logits):
+    for module in (lse_forward, gemm_backward):
         def spy(*tensors, enabled=None, _name=module.__name__):
             decided = use_tma(*tensors, enabled=enabled)
             seen.append((_name.rsplit(".", 1)[1], decided))
@@ -42,7 +42,7 @@ def test_option_reaches_both_launchers(monkeypatch, tma):
     monkeypatch.setenv(ENV_TMA, "1" if not tma else "0")  # the option wins over the variable
     # The recomputing backward: the gradient-in-forward one reads no tiles of ours (cuBLAS).
     _run(linear_cross_entropy, impl="cce", tma=tma, backward="gemm")
-    assert {name for name, _ in seen} == {"lse_forward", "grad_logits"}
+    assert {name for name, _ in seen} == {"lse_forward", "gemm_backward"}
     assert all(decided == tma for _, decided in seen), seen
 
 

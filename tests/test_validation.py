@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from helpers import assert_close_rel
 
 import fused_lce.api
-import fused_lce.triton_shard
+import fused_lce.chunked
 import fused_lce.reference
+import fused_lce.triton_shard
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
 
 IMPLS = ("torch", "chunked", "cce")
