@@ -303,19 +303,25 @@ class LCEFunction(torch.autograd.Function):
         valid = flat_target != opts.ignore_index
         n_valid = valid.sum()
         needs = tuple(call.grad_enabled and need for need in ctx.needs_input_grad[:3])
-        plan = _forward_grad_plan(call, hidden, weight, needs)
+        plan = _token_walk_plan(call, hidden, weight, needs)
         ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
         if plan is None:
             _read_target_check(call)
             ctx.state, stats = strategy.statistics(inputs)
             lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
+        elif not any(needs):
+            # Evaluation walks the chunks training walks, with the same kernels, so a batch's
+            # loss is the same number in both; it only skips the gradients.
+            (lse, nll, row_sum), _ = _walk_token_chunks(
+                strategy, inputs, call, plan, needs, input.dtype, assumed=None
+            )
         else:
             # What the forward builds G with, kept for the backward's check: a copy, so a caller
             # that edits loss_mask in place after the forward is still checked against what was
             # assumed, and recomputed exactly where that no longer holds.
             ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask,
                                              compute_dtype(input.dtype))
-            (lse, nll, row_sum), ctx.forward_grads = _gradients_in_forward(
+            (lse, nll, row_sum), ctx.forward_grads = _walk_token_chunks(
                 strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
             )
 
@@ -426,15 +432,16 @@ def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
     return compute_dtype(input.dtype) if call.reducer.world_size > 1 else input.dtype
 
 
-def _forward_grad_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan | None:
-    """The gradient-in-forward plan where a gradient is wanted and the strategy has one. Decided
-    by the group's strategy from what every rank shares (the padded shard's rows), so every rank
-    walks the same chunks, a rank of vocabulary padding too."""
-    if not any(needs):
-        return None
+def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan | None:
+    """The gradient-in-forward plan, where the strategy has one: training walks it computing
+    gradients, evaluation (no gradient wanted) computing only the statistics. Decided by the
+    group's strategy from what every rank shares (the padded shard's rows), so every rank walks
+    the same chunks, a rank of vocabulary padding too."""
+    # Evaluation plans as training with every gradient wanted, so it walks the same chunks.
+    wants_weight_grad = needs[1] or not any(needs)
     return call.strategy.plan_forward_gradients(
         call.opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.element_size(),
-        needs[1],
+        wants_weight_grad,
     )
 
 
@@ -444,11 +451,12 @@ def _lse_nll(stats: ShardStatistics):
     return lse, target_nll(stats.row_max, stats.sum_exp, stats.target_logit), stats.row_sum
 
 
-def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
-                          d_hidden_dtype, assumed):
+def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
+                       d_hidden_dtype, assumed):
     """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for the per-token upstream gradient
-    ``assumed``), token chunk by token chunk: fused_lce/forward_grad.py. Per token it keeps only
-    lse, nll and the row sum: under a tight budget the chunk buffer and these are its memory."""
+    ``assumed``), token chunk by token chunk: fused_lce/forward_grad.py. With ``assumed`` None
+    (evaluation) only the statistics. Per token it keeps only lse, nll and the row sum: under a
+    tight budget the chunk buffer and these are its memory."""
     n_rows = inputs.hidden.shape[0]
     opts = call.opts
     chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
@@ -459,8 +467,9 @@ def _gradients_in_forward(strategy, inputs: ShardInputs, call: ShardCall, plan, 
         # The host waits for the check while the GPU computes the first chunk's logits.
         _read_target_check(call)
         lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))
-        coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, opts)
-        chunks.gradients(rows, lse, coefs)
+        if assumed is not None:
+            coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, opts)
+            chunks.gradients(rows, lse, coefs)
         if kept is None:
             kept = tuple(None if x is None else x.new_empty(n_rows) for x in (lse, nll, row_sum))
         for whole, part in zip(kept, (lse, nll, row_sum)):

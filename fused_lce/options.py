@@ -316,12 +316,13 @@ def user_fields() -> tuple[Field, ...]:
 
 def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> LCEOptions:
     """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
-    that wants a gradient): an evaluation pass then keeps no logits and computes no gradient."""
+    that wants a gradient): an evaluation pass keeps no logits. It computes its statistics with
+    the kernels training uses under ``opts`` (the gradient-in-forward walk, or the statistics
+    kernel of the recomputing backwards), so train and eval losses are the same numbers."""
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if wanted or (opts.recompute_logits and opts.backward not in ("auto", "in_forward")):
+    if wanted or opts.recompute_logits:
         return opts
-    # Neither keep logits nor compute gradients in the forward (whose plain statistics are
-    # the gemm backward's forward).
+    # Kept logits feed only the gemm backward; its forward's statistics are the same kernel's.
     return replace(opts, recompute_logits=True, backward="gemm")
 
 

@@ -74,8 +74,8 @@ TARGETS: dict[str, Target] = {
         (*_OP, "tests/test_reference.py")),
     "fused_lce/engine.py": Target(
         ("flat_rows", "global_statistics", "_shard_inputs", "LCEFunction.forward",
-         "LCEFunction.backward", "single_device_loss", "_partial_dtype", "_forward_grad_plan",
-         "_lse_nll", "_gradients_in_forward", "_scaled_gradients", "pad_rows"),
+         "LCEFunction.backward", "single_device_loss", "_partial_dtype", "_token_walk_plan",
+         "_lse_nll", "_walk_token_chunks", "_scaled_gradients", "pad_rows"),
         (*_OP, *_TP2)),
     "fused_lce/forward_grad.py": Target(
         ("plan_forward_gradients", "_tile_rows", "_chunks", "assumed_token_grad",

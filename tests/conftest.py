@@ -93,15 +93,17 @@ def seed():
 @pytest.fixture
 def walks(monkeypatch):
     """The plans of the gradient-in-forward walks (fused_lce/forward_grad.py) run during a test,
-    in call order: whether, and how, the mode ran."""
+    in call order: whether, and how, the mode ran (an evaluation's statistics-only walk is not
+    one)."""
     from fused_lce import engine
 
     plans = []
-    original = engine._gradients_in_forward
+    original = engine._walk_token_chunks
 
-    def spy(strategy, inputs, call, plan, *args):
-        plans.append(plan)
-        return original(strategy, inputs, call, plan, *args)
+    def spy(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed):
+        if assumed is not None:
+            plans.append(plan)
+        return original(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed)
 
-    monkeypatch.setattr(engine, "_gradients_in_forward", spy)
+    monkeypatch.setattr(engine, "_walk_token_chunks", spy)
     return plans

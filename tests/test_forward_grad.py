@@ -129,12 +129,44 @@ def test_an_upstream_multiple_of_the_mean_needs_no_recompute(walks, recomputes):
     assert err < 1e-5 and not recomputes
 
 
-def test_no_gradient_wanted_runs_the_plain_forward(walks):
+def test_no_gradient_wanted_walks_without_gradients(monkeypatch, walks):
+    """Evaluation walks the chunks training walks (so its loss comes from the same kernels) and
+    computes no gradient: not one of the gradient walks the ``walks`` fixture counts."""
+    from fused_lce import engine
+
+    statistics_only = []
+    original = engine._walk_token_chunks
+
+    def spy(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed):
+        statistics_only.append((plan, needs, assumed is None))
+        return original(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed)
+
+    monkeypatch.setattr(engine, "_walk_token_chunks", spy)
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=1)
     with torch.no_grad():
         linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce")
     linear_cross_entropy(hidden.detach(), weight, target, impl="cce")  # nothing wants a grad
     assert walks == []
+    plan = ForwardGradPlan(N, False)
+    assert statistics_only == [(plan, (False, False, False), True)] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"backward": "gemm"}, {"backward": "tiles"}, {"recompute_logits": False},
+     {"scratch_mb": 0.01}, {"token_chunk_size": 16}, {"softcap": 3.0, "label_smoothing": 0.1}],
+    ids=["default", "gemm", "tiles", "kept", "lean", "chunks", "softcap-smoothing"],
+)
+def test_evaluation_loss_is_the_training_loss(options, dtype):
+    """Train and eval compute a batch's loss with the same kernels: the same number, bitwise."""
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", seed=4, bias=True)
+    train = linear_cross_entropy(hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
+                                 target, bias, impl="cce", reduction="none", **options)
+    with torch.no_grad():
+        evaluation = linear_cross_entropy(hidden, weight, target, bias, impl="cce",
+                                          reduction="none", **options)
+    assert torch.equal(train.detach(), evaluation)
 
 
 @pytest.mark.parametrize(

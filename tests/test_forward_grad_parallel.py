@@ -39,8 +39,8 @@ def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
     GPU), against fp64 on the CPU."""
     errors = []
     walks, recomputes = [], []
-    original = engine._gradients_in_forward
-    engine._gradients_in_forward = lambda *a: walks.append(a[3]) or original(*a)
+    original = engine._walk_token_chunks
+    engine._walk_token_chunks = lambda *a: walks.append(a[3]) or original(*a)
     engine.warn_recompute = lambda where: recomputes.append(where)
     hidden, weight, target, mask = _problem(torch.float32)
     bounds = [V * r // world for r in range(world + 1)]
