@@ -9,9 +9,9 @@ Run a script through this module and it trains with fused_lce's loss::
 or call :func:`install` once at the top of the script. Either way, before the script parses its
 command line:
 
-- every ``GPTModel`` built afterwards is patched (:func:`fused_lce.parallel.megatron.install`);
-  the op's options are the ``--cce-*`` flags of the parsed command line, read from Megatron-LM's
-  global arguments at the first cce loss;
+- every ``GPTModel`` built afterwards is patched
+  (:func:`fused_lce.parallel.megatron_patch.install`); the op's options are the ``--cce-*`` flags
+  of the parsed command line, read from Megatron-LM's global arguments at the first cce loss;
 - every parser Megatron-LM builds gets ``cce``/``linear`` among the choices of
   ``--cross-entropy-fusion-impl`` and the ``--cce-*`` flags.
 
@@ -42,7 +42,7 @@ import os
 import runpy
 import sys
 
-from . import megatron as lce_megatron
+from . import megatron_flags, megatron_patch
 
 _PATCHED = "_fused_lce_patched"
 
@@ -57,7 +57,7 @@ def install() -> None:
         from megatron.training import arguments
     except ImportError as exc:
         raise ImportError(_why_megatron_training_failed(exc)) from exc
-    lce_megatron.install(options_from=options_from_megatron_lm)
+    megatron_patch.install(options_from=options_from_megatron_lm)
     _wrap_module_function(arguments, "add_megatron_arguments", _with_cce_arguments)
     _wrap_module_function(arguments, "parse_args", _checking_cce_options)
 
@@ -78,8 +78,8 @@ def options_from_megatron_lm() -> dict:
     """The op's options: the ``--cce-*`` flags of Megatron-LM's parsed global arguments."""
     from megatron.training.global_vars import get_args
 
-    options = lce_megatron.cce_options_from_args(get_args())
-    lce_megatron.check_cce_options(options)
+    options = megatron_flags.cce_options_from_args(get_args())
+    megatron_flags.check_cce_options(options)
     return options
 
 
@@ -95,7 +95,7 @@ def _wrap_module_function(module, name: str, wrapper_of) -> None:
 def _with_cce_arguments(add_megatron_arguments):
     def add_megatron_and_cce_arguments(parser, *args, **kwargs):
         parser = add_megatron_arguments(parser, *args, **kwargs)
-        return lce_megatron.extra_args_provider(parser)
+        return megatron_flags.extra_args_provider(parser)
 
     return add_megatron_and_cce_arguments
 
@@ -103,15 +103,15 @@ def _with_cce_arguments(add_megatron_arguments):
 def _checking_cce_options(parse_args):
     def parse_and_check_cce_options(*args, **kwargs):
         parsed = parse_args(*args, **kwargs)
-        options = lce_megatron.cce_options_from_args(parsed)
-        if options and parsed.cross_entropy_fusion_impl not in lce_megatron.CCE_CHOICES:
+        options = megatron_flags.cce_options_from_args(parsed)
+        if options and parsed.cross_entropy_fusion_impl not in megatron_flags.CCE_CHOICES:
             raise SystemExit(
-                f"{', '.join(lce_megatron.cce_flag(k) for k in options)}: these act on "
+                f"{', '.join(megatron_flags.cce_flag(k) for k in options)}: these act on "
                 "fused_lce's loss; use them with --cross-entropy-loss-fusion "
                 "--cross-entropy-fusion-impl cce"
             )
         try:
-            lce_megatron.check_cce_options(options)
+            megatron_flags.check_cce_options(options)
         except ValueError as err:
             raise SystemExit(str(err)) from None
         return parsed
@@ -131,7 +131,7 @@ def help_parser() -> argparse.ArgumentParser:
         "pretrain_gpt.py --cross-entropy-loss-fusion --cross-entropy-fusion-impl cce ARGS...",
         add_help=False)
     parser.add_argument("-h", "--help", action="help", help="show this message and exit")
-    return lce_megatron.extra_args_provider(parser)
+    return megatron_flags.extra_args_provider(parser)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,11 +13,11 @@ from helpers import assert_close_rel
 from test_megatron_adapter import FakeGPT, _inputs, group  # noqa: F401 (group: a fixture)
 
 from fused_lce.options import LCEOptions
-from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.parallel import megatron_flags, megatron_patch
 
 
 def _parser():
-    return lce_megatron.add_cce_arguments(argparse.ArgumentParser(prog="x"))
+    return megatron_flags.add_cce_arguments(argparse.ArgumentParser(prog="x"))
 
 
 def _flags_by_dest(parser):
@@ -26,7 +26,7 @@ def _flags_by_dest(parser):
 
 def test_one_flag_per_adapter_option_with_the_field_docstring():
     actions = _flags_by_dest(_parser())
-    names = {f.name for f in dataclasses.fields(LCEOptions)} & set(lce_megatron._OPTION_NAMES)
+    names = {f.name for f in dataclasses.fields(LCEOptions)} & set(megatron_flags.ADAPTER_OPTIONS)
     assert {d.removeprefix("cce_") for d in actions} == names
     assert "--cce-keep-logits" in actions["cce_recompute_logits"].option_strings
     assert "--cce-no-recompute-logits" in actions["cce_recompute_logits"].option_strings
@@ -35,9 +35,24 @@ def test_one_flag_per_adapter_option_with_the_field_docstring():
     assert tuple(actions["cce_backward"].choices) == ("auto", "in_forward", "gemm", "tiles")
 
 
+
+def test_fields_that_are_no_user_option_get_no_flag(monkeypatch):
+    """A field marked ``metadata={"user": False}`` (the environment the options were built in)
+    gets no flag, even were it named among the adapter's options."""
+    hidden = [f.name for f in dataclasses.fields(LCEOptions) if f.metadata.get("user") is False]
+    assert "environment" in hidden
+    monkeypatch.setattr(megatron_flags, "ADAPTER_OPTIONS",
+                        (*megatron_flags.ADAPTER_OPTIONS, *hidden))
+    megatron_flags._option_fields.cache_clear()
+    try:
+        fields = megatron_flags._option_fields()
+    finally:
+        megatron_flags._option_fields.cache_clear()
+    assert "softcap" in fields and not set(hidden) & set(fields)
+
 def test_adding_twice_is_harmless():
     parser = _parser()
-    lce_megatron.add_cce_arguments(parser)
+    megatron_flags.add_cce_arguments(parser)
     assert len(_flags_by_dest(parser)) == len(_flags_by_dest(_parser()))
 
 
@@ -54,9 +69,9 @@ def test_adding_twice_is_harmless():
     (["--cce-impl", "chunked", "--cce-scratch-mb", "16"], {"impl": "chunked", "scratch_mb": 16.0}),
 ])
 def test_flags_read_back_as_options(argv, options):
-    got = lce_megatron.cce_options_from_args(_parser().parse_args(argv))
+    got = megatron_flags.cce_options_from_args(_parser().parse_args(argv))
     assert got == options
-    lce_megatron.check_cce_options(got)
+    megatron_flags.check_cce_options(got)
     LCEOptions(**got)
 
 
@@ -74,7 +89,7 @@ def test_malformed_flags_are_refused_by_the_parser(argv):
 ])
 def test_bad_values_name_their_flags(options, message):
     with pytest.raises(ValueError, match=message):
-        lce_megatron.check_cce_options(options)
+        megatron_flags.check_cce_options(options)
 
 
 def test_options_from_is_read_once_at_the_first_cce_loss(group):  # noqa: F811
@@ -88,7 +103,7 @@ def test_options_from_is_read_once_at_the_first_cce_loss(group):  # noqa: F811
     gpt = FakeGPT(group)
     reference = FakeGPT(group, fusion=False)
     reference.load_state_dict(gpt.state_dict())
-    lce_megatron.install(gpt, options_from=options)
+    megatron_patch.install(gpt, options_from=options)
     assert reads == [], "options are read at the first cce loss, not at install"
     for seed in (11, 12):
         hidden, labels = _inputs(seed)
@@ -101,4 +116,4 @@ def test_options_from_is_read_once_at_the_first_cce_loss(group):  # noqa: F811
 
 def test_options_and_options_from_together_are_refused(group):  # noqa: F811
     with pytest.raises(TypeError, match="options or options_from"):
-        lce_megatron.install(FakeGPT(group), options_from=dict, softcap=3.0)
+        megatron_patch.install(FakeGPT(group), options_from=dict, softcap=3.0)

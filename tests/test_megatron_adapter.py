@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from helpers import assert_close_rel
 from torch import nn
 
-from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.parallel import megatron_flags, megatron_patch
 
 S, B, D, V = 7, 3, 16, 50
 
@@ -88,7 +88,7 @@ def test_cce_route_matches_the_model_own_loss(group):
     torch.manual_seed(0)
     native, cce = FakeGPT(group, fusion=False), FakeGPT(group)
     cce.load_state_dict(native.state_dict())
-    lce_megatron.install(cce)
+    megatron_patch.install(cce)
     hidden, labels = _inputs()
     h2 = hidden.detach().clone().requires_grad_()
     expected = native._postprocess(hidden, labels=labels)
@@ -104,7 +104,7 @@ def test_cce_route_matches_the_model_own_loss(group):
 
 def test_without_labels_the_logits_path_runs(group):
     gpt = FakeGPT(group)
-    lce_megatron.install(gpt)
+    megatron_patch.install(gpt)
     hidden, _ = _inputs(1)
     logits = gpt._postprocess(hidden)
     expected = (hidden @ gpt.output_layer.weight.t()).transpose(0, 1)
@@ -113,7 +113,7 @@ def test_without_labels_the_logits_path_runs(group):
 
 def test_other_impls_are_untouched(group):
     gpt = FakeGPT(group, impl="native")
-    lce_megatron.install(gpt)
+    megatron_patch.install(gpt)
     hidden, labels = _inputs(2)
     gpt._postprocess(hidden, labels=labels)
     assert gpt.logits_calls == 1
@@ -121,9 +121,9 @@ def test_other_impls_are_untouched(group):
 
 def test_install_twice_is_harmless(group):
     gpt = FakeGPT(group)
-    lce_megatron.install(gpt)
+    megatron_patch.install(gpt)
     first = gpt._postprocess
-    lce_megatron.install([gpt])
+    megatron_patch.install([gpt])
     assert gpt._postprocess is first
     hidden, labels = _inputs(3)
     assert gpt._postprocess(hidden, labels=labels).shape == (B, S)
@@ -131,7 +131,7 @@ def test_install_twice_is_harmless(group):
 
 def test_uneven_vocabulary_is_refused_naming_the_flag(group):
     gpt = FakeGPT(group, vocab=V + 2)
-    lce_megatron.install(gpt)
+    megatron_patch.install(gpt)
     hidden, labels = _inputs(4)
     with pytest.raises(ValueError, match="--cross-entropy-fusion-impl cce"):
         gpt._postprocess(hidden, labels=labels)
@@ -139,14 +139,14 @@ def test_uneven_vocabulary_is_refused_naming_the_flag(group):
 
 def test_unknown_option_is_refused():
     with pytest.raises(TypeError, match="unknown option"):
-        lce_megatron.install(nn.Linear(2, 2), temperature=2.0)
+        megatron_patch.install(nn.Linear(2, 2), temperature=2.0)
 
 
 def test_bad_option_value_is_refused_at_install():
     with pytest.raises(ValueError, match="recompute_logits=False needs backward"):
-        lce_megatron.install(nn.Linear(2, 2), recompute_logits=False, backward="tiles")
+        megatron_patch.install(nn.Linear(2, 2), recompute_logits=False, backward="tiles")
     with pytest.raises(ValueError, match="softcap must be"):
-        lce_megatron.install(nn.Linear(2, 2), softcap=-1.0)
+        megatron_patch.install(nn.Linear(2, 2), softcap=-1.0)
 
 
 def test_gradient_goes_into_main_grad(group):
@@ -158,7 +158,7 @@ def test_gradient_goes_into_main_grad(group):
     weight.main_grad = torch.full_like(weight, 0.5)
     weight.grad_added_to_main_grad = False
     for gpt in (plain, fused):
-        lce_megatron.install(gpt)
+        megatron_patch.install(gpt)
     hidden, labels = _inputs(5)
     plain._postprocess(hidden, labels=labels).sum().backward()
     fused._postprocess(hidden.detach(), labels=labels).sum().backward()
@@ -169,7 +169,7 @@ def test_gradient_goes_into_main_grad(group):
 def test_parser_gets_cce_choices():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
-    lce_megatron.add_arguments(lce_megatron.add_arguments(parser))
+    megatron_flags.add_arguments(megatron_flags.add_arguments(parser))
     (action,) = [a for a in parser._actions if "--cross-entropy-fusion-impl" in a.option_strings]
     assert action.choices == ["native", "te", "cce", "linear"], "added once, after megatron's"
     for choice in ("native", "te", "cce", "linear"):
@@ -178,11 +178,23 @@ def test_parser_gets_cce_choices():
     assert parser.parse_args([]).cross_entropy_fusion_impl == "native"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cross-entropy-fusion-impl", "bogus"])
-    fresh = lce_megatron.add_arguments(argparse.ArgumentParser())
+    fresh = megatron_flags.add_arguments(argparse.ArgumentParser())
     args = fresh.parse_args(["--cross-entropy-fusion-impl", "cce"])
     assert args.cross_entropy_fusion_impl == "cce"
     assert fresh.parse_args([]).cross_entropy_fusion_impl == "native"
 
+
+
+def test_the_documented_import_path_is_both_parts():
+    """docs/megatron.md's ``fused_lce.parallel.megatron.install`` and ``.extra_args_provider``:
+    the public module hands out the functions of megatron_patch and megatron_flags."""
+    from fused_lce.parallel import megatron
+
+    assert megatron.install is megatron_patch.install
+    assert megatron.extra_args_provider is megatron_flags.extra_args_provider
+    for name in megatron.__all__:
+        part = megatron_flags if hasattr(megatron_flags, name) else megatron_patch
+        assert getattr(megatron, name) is getattr(part, name), name
 
 class MaskedGPT(FakeGPT):
     """A GPTModel whose _postprocess also takes the loss mask, as megatron-core's does."""
@@ -208,7 +220,7 @@ def test_the_loss_mask_reaches_the_op(group, monkeypatch, pass_mask, accumulate)
         cce.config.gradient_accumulation_fusion = True
         weight.main_grad = torch.full_like(weight, 0.5)
         weight.grad_added_to_main_grad = False
-    lce_megatron.install(cce, impl="cce")
+    megatron_patch.install(cce, impl="cce")
     hidden, labels = _inputs(3)
     loss_mask = (torch.arange(B * S).view(B, S) % 3 != 0).float()
     h2 = hidden.detach().clone().requires_grad_()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.parallel import megatron_flags, megatron_patch
 
 pytest.importorskip("megatron.core")
 
@@ -26,7 +26,7 @@ def arguments():
 def _parse(arguments, monkeypatch, flags):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
     return arguments.parse_args(
-        extra_args_provider=lce_megatron.extra_args_provider, ignore_unknown_args=True
+        extra_args_provider=megatron_flags.extra_args_provider, ignore_unknown_args=True
     )
 
 
@@ -45,7 +45,7 @@ def test_megatron_lm_parser_rejects_unknown_impl(arguments, monkeypatch):
 
 def test_extending_twice_is_harmless(arguments, monkeypatch):
     def provider(parser):
-        return lce_megatron.extra_args_provider(lce_megatron.extra_args_provider(parser))
+        return megatron_flags.extra_args_provider(megatron_flags.extra_args_provider(parser))
 
     monkeypatch.setattr(sys, "argv", ["x", "--cross-entropy-fusion-impl", "cce"])
     args = arguments.parse_args(extra_args_provider=provider, ignore_unknown_args=True)
@@ -57,8 +57,8 @@ def test_class_level_install_is_idempotent(monkeypatch):
 
     original = GPTModel._postprocess
     monkeypatch.setattr(GPTModel, "_postprocess", original)  # restored after the test
-    lce_megatron.install()
+    megatron_patch.install()
     first = GPTModel._postprocess
     assert first is not original and getattr(first, "_fused_lce_patched", False)
-    lce_megatron.install()
+    megatron_patch.install()
     assert GPTModel._postprocess is first

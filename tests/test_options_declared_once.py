@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fused_lce import linear_cross_entropy
 from fused_lce.options import user_fields
-from fused_lce.parallel import megatron, vocab_parallel_linear_cross_entropy
+from fused_lce.parallel import megatron_flags, megatron_patch, vocab_parallel_linear_cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {f.name: f.default for f in user_fields()}
@@ -43,10 +43,11 @@ def test_vocab_parallel_takes_the_options_with_their_defaults():
 
 
 def test_megatron_adapter_options_are_fields_and_documented():
-    names = set(megatron._OPTION_NAMES) - {"vocab_size"}
-    assert names <= set(FIELDS), names - set(FIELDS)
-    documented = set(re.findall(r"``(\w+)``", megatron.install.__doc__.split("options_from:")[0]))
-    assert set(megatron._OPTION_NAMES) <= documented, set(megatron._OPTION_NAMES) - documented
+    options = set(megatron_flags.ADAPTER_OPTIONS)
+    assert options - {"vocab_size"} <= set(FIELDS), options - {"vocab_size"} - set(FIELDS)
+    install_doc = megatron_patch.install.__doc__.split("options_from:")[0]
+    documented = set(re.findall(r"``(\w+)``", install_doc))
+    assert options <= documented, options - documented
 
 
 def test_algorithm_page_lists_every_option_with_its_default():

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_lce.parallel import megatron as lce_megatron
-from fused_lce.parallel import megatron_lm
+from fused_lce.parallel import megatron_flags, megatron_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +69,7 @@ def test_megatron_lm_help_lists_the_flags():
     assert proc.stdout.startswith("usage: python -m fused_lce.parallel.megatron_lm SCRIPT.py")
     flags = set(re.findall(r"--cce-[a-z0-9-]+", proc.stdout))
     assert "--cross-entropy-fusion-impl" in proc.stdout
-    assert {lce_megatron.cce_flag(name) for name in lce_megatron._option_fields()} <= flags
+    assert {megatron_flags.cce_flag(name) for name in megatron_flags._option_fields()} <= flags
 
 
 def test_megatron_lm_without_arguments_prints_usage_and_fails():
@@ -80,10 +79,10 @@ def test_megatron_lm_without_arguments_prints_usage_and_fails():
 
 
 def test_negated_flags_say_what_they_set():
-    parser = lce_megatron.add_cce_arguments(argparse.ArgumentParser())
+    parser = megatron_flags.add_cce_arguments(argparse.ArgumentParser())
     helps = {flag: action.help for action in parser._actions for flag in action.option_strings}
-    negated = [lce_megatron.cce_flag(name) for name, option in
-               lce_megatron._option_fields().items() if option.type is bool and option.default]
+    negated = [megatron_flags.cce_flag(name) for name, option in
+               megatron_flags._option_fields().items() if option.type is bool and option.default]
     assert {"--cce-no-recompute-logits", "--cce-no-fp32-weight-grad"} <= set(negated)
     for flag in negated:
         name = flag.removeprefix("--cce-no-").replace("-", "_")

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.parallel import megatron_flags
 from lce_train.configs import known_models, load_model_config
 from lce_train.data import check_data_vocab, describe_blend
 from lce_train.pp_memory import stage_layer_counts
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # One flag per option of the op, derived from LCEOptions (the same flags as Megatron-LM's
     # route, fused_lce.parallel.megatron_lm).
-    lce_megatron.add_cce_arguments(
+    megatron_flags.add_cce_arguments(
         p, "cce options (with --cross-entropy-fusion-impl cce or linear)")
 
     g = p.add_argument_group("evaluation and probes")
@@ -160,15 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration and layout, build nothing")
 
-    lce_megatron.add_arguments(p)
+    megatron_flags.add_arguments(p)
     return p
 
 
 def cce_options(args) -> dict:
-    """The options ``fused_lce.parallel.megatron.install`` passes to the op: the model's
+    """The options ``fused_lce.parallel.megatron_patch.install`` passes to the op: the model's
     final-logit softcap, then the --cce-* flags given (an explicit --cce-softcap wins)."""
     options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
-    return {**options, **lce_megatron.cce_options_from_args(args)}
+    return {**options, **megatron_flags.cce_options_from_args(args)}
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -186,7 +186,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.untie_embeddings_and_output_weights is None:
         args.untie_embeddings_and_output_weights = not cfg.tie_embeddings
     impl = args.cross_entropy_fusion_impl
-    args.uses_cce = impl in lce_megatron.CCE_CHOICES
+    args.uses_cce = impl in megatron_flags.CCE_CHOICES
     if args.uses_cce:
         args.cross_entropy_loss_fusion = True  # our op replaces the fused loss
     if args.transformer_impl == "transformer_engine" and not _te_importable():
@@ -251,13 +251,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check_eval_and_probes(args) -> None:
-    given = lce_megatron.cce_options_from_args(args)
+    given = megatron_flags.cce_options_from_args(args)
     if not args.uses_cce and given:
-        flags = " / ".join(lce_megatron.cce_flag(name) for name in given)
+        flags = " / ".join(megatron_flags.cce_flag(name) for name in given)
         raise SystemExit(f"{flags} act on fused_lce's op: "
                          "use them with --cross-entropy-fusion-impl cce or linear")
     try:
-        lce_megatron.check_cce_options(cce_options(args))
+        megatron_flags.check_cce_options(cce_options(args))
     except ValueError as err:
         raise SystemExit(str(err)) from None
     for flag in ("eval_interval", "eval_iters", "probe_interval"):

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from fused_lce.parallel import megatron as lce_megatron
+from fused_lce.parallel import megatron_patch
 from lce_train.arguments import cce_options
 from lce_train.signatures import supported_kwargs
 
@@ -195,7 +195,7 @@ def build_model(args, config):
         DistributedDataParallel.__init__, config=config, ddp_config=ddp_config, module=model))
     if args.uses_cce:
         # Stages without the output layer keep their ordinary path.
-        lce_megatron.install(model, **cce_options(args))
+        megatron_patch.install(model, **cce_options(args))
     return model, gpt
 
 
