@@ -39,6 +39,7 @@ setup(
         "lce-training-equivalence = lce_train.training_equivalence:main",
         "lce-megatron-lm-report = lce_train.megatron_lm_report:main",
         "lce-plot-gpu-suite = lce_train.plot_gpu_suite:main",
+        "lce-bench-parallel = lce_train.bench_parallel:main",
     ]},
     install_requires=[
         "torch>=2.4",

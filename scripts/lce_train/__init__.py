@@ -20,7 +20,7 @@ Studies and tools (each the library of the script of the same name in scripts/):
     pp_memory            the per-stage pipeline memory model
     grad_probe           the loss layer's gradient error against an fp32 reference
     compare_losses, pp_memory_balance, max_micro_batch, training_equivalence, build_token_file,
-    megatron_lm_report, plot_gpu_suite
+    megatron_lm_report, plot_gpu_suite, bench_parallel
 
 Every module with a ``main`` is a command three ways: ``python -m lce_train.<module>``, the
 console script that setup.py installs (``lce-pp-memory-balance``; ``lce-pretrain-gpt`` for
