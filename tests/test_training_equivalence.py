@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from lce_train import arguments
-from lce_train import training_equivalence as eq
+from lce_train.equivalence_config import DEFAULT_CONFIG, Job, load_experiment
+from lce_train.equivalence_logs import read_records, read_runs
+from lce_train.equivalence_report import check_targets, summarize
+from lce_train.equivalence_run import launcher_flags, prepare_data
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
@@ -39,7 +42,7 @@ def _script(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_matrix_commands_parse_with_the_launcher(tmp_path):
-    exp = eq.load_experiment(eq.DEFAULT_CONFIG)
+    exp = load_experiment(DEFAULT_CONFIG)
     assert exp.matrix_variants == ["native", "cce", "cce-paper"] and len(exp.seeds) >= 2
     assert exp.corpora["zipf"]["vocab-size"] >= 256000
     assert exp.corpora["text"]["vocab-size"] >= 131072
@@ -53,12 +56,12 @@ def test_matrix_commands_parse_with_the_launcher(tmp_path):
         builder.add_document(np.arange(0, 131072, 7), [len(range(0, 131072, 7))])
         builder.finalize(f"{path}.idx")
         Path(f"{path}.json").write_text(json.dumps({"vocab_size": 131072, "dtype": "int32"}))
-    data = eq.prepare_data(exp, ["text", "zipf"], tmp_path, tmp_path / "cache")
+    data = prepare_data(exp, ["text", "zipf"], tmp_path, tmp_path / "cache")
     flags = {}
     for variant in exp.matrix_variants:
         for corpus in exp.corpora:
-            job = eq.Job(corpus, variant, exp.seeds[0])
-            flags[job.name] = eq.launcher_flags(exp, job, 50, data, tmp_path / "x.jsonl", {})
+            job = Job(corpus, variant, exp.seeds[0])
+            flags[job.name] = launcher_flags(exp, job, 50, data, tmp_path / "x.jsonl", {})
             args = arguments.parse_args([*flags[job.name], "--dry-run"])
             assert args.train_iters == 50 and args.bf16 and args.probe_interval
             assert args.eval_interval and args.tensor_model_parallel_size == 1
@@ -119,15 +122,15 @@ def _fake_logs(out: Path, delta: float = 0.002, gemm_err: float = 2e-3,
 ], ids=["pass", "loss-fails", "grad-fails"])
 def test_report_targets(tmp_path, case, delta, gemm_err, failing):
     _fake_logs(tmp_path, delta, gemm_err)
-    runs = eq.read_runs(tmp_path)
+    runs = read_runs(tmp_path)
     assert len(runs) == 8 and runs[0].final_train_loss() == pytest.approx(
         np.mean([r["loss"] for r in runs[0].records[-5:]]))
-    targets = eq.load_experiment(eq.DEFAULT_CONFIG).targets
-    rows = eq.summarize(runs, targets)
+    targets = load_experiment(DEFAULT_CONFIG).targets
+    rows = summarize(runs, targets)
     cce = next(r for r in rows if r["corpus"] == "text" and r["variant"] == "cce")
     assert cce["valid_delta"] == pytest.approx(delta, abs=1e-9)
     assert cce["grad_err_tiles_paper_max"] == 0.3
-    checks = eq.check_targets(rows, runs, targets)
+    checks = check_targets(rows, runs, targets)
     assert len(checks) == 6  # 3 targets x 2 corpora
     failed = [line for ok, line in checks if not ok]
     assert len(failed) == 2 * len(failing), (case, checks)
@@ -138,9 +141,9 @@ def test_report_targets(tmp_path, case, delta, gemm_err, failing):
 def test_gradient_target_holds_along_the_trained_runs_only(tmp_path):
     """The paper filter's runs reach states the target does not cover: reported, not failed."""
     _fake_logs(tmp_path, paper_gemm_err=5e-2)
-    runs = eq.read_runs(tmp_path)
-    targets = eq.load_experiment(eq.DEFAULT_CONFIG).targets
-    checks = eq.check_targets(eq.summarize(runs, targets), runs, targets)
+    runs = read_runs(tmp_path)
+    targets = load_experiment(DEFAULT_CONFIG).targets
+    checks = check_targets(summarize(runs, targets), runs, targets)
     assert [ok for ok, _ in checks] == [True, True, True, None] * 2, checks
     assert all("5.00e-02" in line for ok, line in checks if ok is None)
 
@@ -153,7 +156,7 @@ def test_cpu_smoke_run_and_report(tmp_path):
     runs = json.loads((out / "runs.json").read_text())["runs"]
     assert [r["returncode"] for r in runs] == [0, 0]
     for name in ("zipf_native_s1", "zipf_cce_s1"):
-        records = eq.read_records(out / f"{name}.jsonl")
+        records = read_records(out / f"{name}.jsonl")
         assert [r["step"] for r in records] == [1, 2, 3]
         assert [r["step"] for r in records if "valid_loss" in r] == [2, 3]
         assert [r["step"] for r in records if "probe" in r] == [1, 2, 3]
@@ -180,8 +183,8 @@ def test_deltas_are_paired_by_seed(tmp_path):
         if "valid_loss" in record:
             record["valid_loss"] += 0.3
     (tmp_path / "text_native_s3.jsonl").write_text("\n".join(map(json.dumps, far)) + "\n")
-    targets = eq.load_experiment(eq.DEFAULT_CONFIG).targets
-    rows = eq.summarize(eq.read_runs(tmp_path), targets)
+    targets = load_experiment(DEFAULT_CONFIG).targets
+    rows = summarize(read_runs(tmp_path), targets)
     cce = next(r for r in rows if r["corpus"] == "text" and r["variant"] == "cce")
     assert cce["paired_seeds"] == 2 and cce["seeds"] == "1,2"
     assert cce["valid_delta"] == pytest.approx(0.004, abs=1e-9)

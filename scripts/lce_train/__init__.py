@@ -19,6 +19,7 @@ Studies and tools (each the library of the script of the same name in scripts/):
     configs              model shapes (the top-level configs/ folder, YAML as package data)
     pp_memory            the per-stage pipeline memory model
     grad_probe           the loss layer's gradient error against an fp32 reference
+    equivalence_*        training_equivalence's parts: config, run, logs, report, plots
     compare_losses, pp_memory_balance, max_micro_batch, training_equivalence, build_token_file,
     megatron_lm_report, plot_gpu_suite, bench_parallel
 
