@@ -181,7 +181,7 @@ def test_the_memory_study_runs_from_the_wheel(wheel_env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["pretrain_gpt", "pp_memory_balance", "compare_losses",
-                                    "max_micro_batch", "training_equivalence"])
+                                    "max_micro_batch", "training_equivalence", "bench_parallel"])
 def test_checkout_scripts_run_with_the_wheel(wheel_env, script):
     out = _run(wheel_env, wheel_env["python"], str(ROOT / "scripts" / f"{script}.py"), "--help")
     assert out.startswith("usage:"), out[:500]
