@@ -122,57 +122,26 @@ def shard_backward(
     it and returned as None. ``kept``: the forward's kept logits (``keeps_logits``), consumed.
     """
     bias = _unit_stride(bias)
+    # What both backward launchers take alike.
+    operands = (hidden, weight, bias, target_local, rows.order, rows.n_valid, lse, coefs)
+    shared = dict(softcap=opts.softcap, want_hidden=needs[0], want_weight=needs[1],
+                  want_bias=needs[2], d_hidden_dtype=d_hidden_dtype,
+                  round_16bit=opts.rounds_logits(hidden.dtype))
     if backward_path(opts) == "gemm":
         plan = plan_gemm_backward_for(
             hidden, weight, bias, scratch_bytes=opts.scratch_bytes, want_hidden=needs[0],
             want_weight=needs[1], want_bias=needs[2],
             into_accumulator=d_weight_accumulator is not None, kept=kept is not None,
         )
-        return lce_backward_gemm(
-            hidden,
-            weight,
-            bias,
-            target_local,
-            rows.order,
-            rows.n_valid,
-            lse,
-            coefs,
-            softcap=opts.softcap,
-            plan=plan,
-            want_hidden=needs[0],
-            want_weight=needs[1],
-            want_bias=needs[2],
-            d_hidden_dtype=d_hidden_dtype,
-            d_weight_accumulator=d_weight_accumulator,
-            round_16bit=opts.rounds_logits(hidden.dtype),
-            kept=kept,
-            tma=opts.tma_allowed,
-        )
+        return lce_backward_gemm(*operands, plan=plan, d_weight_accumulator=d_weight_accumulator,
+                                 kept=kept, tma=opts.tma_allowed, **shared)
     filter_code, threshold = filter_settings(opts, hidden.dtype, n_classes, hidden.device)
     vocab_order = None
     if col_sum is not None and use_vocab_sort(opts, filter_code):
         vocab_order = torch.argsort(col_sum, descending=True).to(torch.int32)
-    grads = lce_backward(
-        hidden,
-        weight,
-        bias,
-        target_local,
-        rows.order,
-        rows.n_valid,
-        lse,
-        coefs,
-        softcap=opts.softcap,
-        filter_mode=filter_code,
-        filter_threshold=threshold,
-        vocab_order=vocab_order,
-        deterministic=opts.deterministic,
-        scratch_bytes=opts.scratch_bytes,
-        want_hidden=needs[0],
-        want_weight=needs[1],
-        want_bias=needs[2],
-        d_hidden_dtype=d_hidden_dtype,
-        round_16bit=opts.rounds_logits(hidden.dtype),
-    )
+    grads = lce_backward(*operands, filter_mode=filter_code, filter_threshold=threshold,
+                         vocab_order=vocab_order, deterministic=opts.deterministic,
+                         scratch_bytes=opts.scratch_bytes, **shared)
     return _into_accumulator(grads, d_weight_accumulator)
 
 
