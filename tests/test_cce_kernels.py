@@ -682,12 +682,14 @@ def test_backward_from_kept_logits_into_fp32_partials():
     assert_close_rel(main_grad - before, want["weight"], 4e-3, name="dweight")
 
 
-# Compiles the kept-logits G kernel for sm_90 and prints its PTX. It runs in a fresh Python:
-# Triton 3.6's interpreter patches triton.language.core when an interpreted kernel calls a
-# @triton.jit helper and never restores it (InterpretedFunction.__call__), so after any kernel
-# has run under TRITON_INTERPRET=1 a real compile in the same process fails on
-# "'ir.value' object has no attribute 'dtype'". A warm Triton cache hid this: a cache hit
-# compiles nothing.
+# Compiles the kept-logits G kernel for sm_90 and prints its PTX. It runs in a fresh Python
+# without TRITON_INTERPRET: Triton 3.6's interpreter patches triton.language.core when an
+# interpreted kernel calls a @triton.jit helper and never restores it
+# (InterpretedFunction.__call__), so after any kernel has run under TRITON_INTERPRET=1 a real
+# compile in the same process fails on "'ir.value' object has no attribute 'dtype'"; and with
+# TRITON_INTERPRET set at import, the kernel's helpers (kernels/common.py) are interpreted
+# functions, which no compile accepts. A warm Triton cache hid this: a cache hit compiles
+# nothing.
 _COMPILE_KEPT_G_FOR_SM90 = """
 import sys
 
@@ -707,8 +709,7 @@ signature = {
 }
 constants = {"KEPT_BLOCK_V": 256, "BLOCK_N": 32, "BLOCK_V": 256, "HAS_SOFTCAP": True,
              "HAS_SMOOTHING": True}
-# The Python function under the heuristics (and, under TRITON_INTERPRET, the interpreter), as a
-# JIT function that compiles.
+# The Python function under the heuristics, as a JIT function of its own.
 function = gemm._grad_from_kept_kernel
 while hasattr(function, "fn"):
     function = function.fn
@@ -739,7 +740,8 @@ def test_kept_gradient_kernel_compiles_without_fp64(tmp_path):
     if not os.path.exists(ptxas):
         pytest.skip("no ptxas in this triton build")
     # A cache of its own: every run compiles (a cache hit would test nothing new).
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton_cache"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     child = subprocess.run([sys.executable, "-c", _COMPILE_KEPT_G_FOR_SM90], env=env,
                            capture_output=True, text=True)
     assert child.returncode == 0, f"compiling for sm_90 failed:\n{child.stderr[-4000:]}"

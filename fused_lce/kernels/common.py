@@ -1,4 +1,5 @@
-"""Pieces shared by the kernels: the logit-tile recompute, soft-capping, and launch configs.
+"""Pieces shared by the kernels: the logit-tile recompute, the logit epilogue (bias, rounding,
+soft-capping), the logit gradient's formula, launcher checks and launch configs.
 
 Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton is imported) runs these kernels on
 CPU tensors for CI. It computes bf16 arithmetic on raw bit patterns, so every kernel upcasts its
@@ -9,14 +10,28 @@ fp32/fp64-free inputs on GPUs where exactness is asked for).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def when_given(**flags: str) -> dict[str, Callable[[dict[str, Any]], bool]]:
+    """``triton.heuristics`` rules that set each constexpr flag to whether its kernel argument was
+    passed: ``when_given(HAS_BIAS="bias_ptr")`` compiles the bias out of a call without one.
+
+    Bias, soft-capping and label smoothing are rare, so every kernel that knows them compiles
+    them out when absent (HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING)."""
+
+    def rule(name: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda args: args[name] is not None
+
+    return {flag: rule(name) for flag, name in flags.items()}
 
 
 @triton.jit
@@ -172,6 +187,32 @@ class RowCoefficients(Protocol):
     smooth_coef: torch.Tensor | None  # None without label smoothing
 
 
+def check_row_terms(
+    n_rows: int, target_local: torch.Tensor, lse: torch.Tensor, coefs: RowCoefficients
+) -> None:
+    """What ``load_row_terms`` reads: (N,) unit-stride vectors, the target int, the rest fp32."""
+    check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
+    for name, vector in (("lse", lse), ("p_coef", coefs.p_coef),
+                         ("target_grad", coefs.target_grad), ("smooth_coef", coefs.smooth_coef)):
+        if vector is not None:
+            check_vector(name, vector, n_rows, (torch.float32,))
+
+
+def check_row_vectors(
+    n_rows: int,
+    target_local: torch.Tensor,
+    row_order: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    coefs: RowCoefficients,
+) -> None:
+    """The per-row inputs of the backward kernels that walk ``row_order``: the row terms, the
+    order (int32) and the count of non-ignored rows (a device scalar)."""
+    check_row_terms(n_rows, target_local, lse, coefs)
+    check_vector("row_order", row_order, n_rows, (torch.int32,))
+    check_scalar("n_valid", n_valid, torch.int32)
+
+
 ENV_TMA = "FUSED_LCE_TMA"
 
 
@@ -242,6 +283,96 @@ def round_logits(x, ROUND: tl.constexpr):
     if ROUND == 2:
         x = x.to(tl.float16).to(tl.float32)
     return x
+
+
+# The logit epilogue and the logit gradient: every kernel that sees logits, whether it computes
+# them (lse_forward, tiles_backward, gemm_backward) or reads them from a buffer (logit_rows), goes
+# through these, so all of them apply bias, rounding and cap in the same order and differentiate
+# the same numbers. fp32 throughout.
+
+
+@triton.jit
+def logit_epilogue(
+    logits, bias_ptr, cols, col_mask, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROUND: tl.constexpr,
+):
+    """(z, t) of x = round(logits) + bias[cols]: t = tanh(x / softcap), z = softcap * t.
+
+    ``logits`` are fp32: a (rows, cols) tile, where ``cols`` (masked by ``col_mask``) index its
+    columns, or a vector with one column each (a gathered target logit); the bias broadcasts
+    along the last axis. t is what the gradient needs for the cap's derivative
+    (``softcap_derivative``); without soft-capping z = x and t is a placeholder (x) that nothing
+    reads.
+    """
+    logits = round_logits(logits, ROUND)
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    capped = logits
+    if HAS_SOFTCAP:
+        capped = tanh(logits / softcap)
+        logits = softcap * capped
+    return logits, capped
+
+
+@triton.jit
+def load_row_terms(rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr,
+                   smooth_coef_ptr, HAS_SMOOTHING: tl.constexpr):
+    """(target, lse, p_coef, target_grad, smooth_coef) of ``rows``, what ``grad_from_prob``
+    takes per row; masked rows read target -1 and zeros. Without smoothing, smooth_coef is a
+    placeholder (p_coef) that the formula never reads."""
+    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
+    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
+    smooth_coef = p_coef
+    if HAS_SMOOTHING:
+        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
+    return target, lse, p_coef, target_grad, smooth_coef
+
+
+@triton.jit
+def grad_from_prob(
+    prob, cols, in_tile, target, p_coef, target_grad, smooth_coef, HAS_SMOOTHING: tl.constexpr,
+):
+    """(G before the cap's derivative, is_target) of a (rows, cols) tile from its softmax
+    ``prob`` (0 outside ``in_tile``): p_coef * prob - smooth_coef, with target_grad in place of
+    the softmax term in the target's column, which ``is_target`` marks (the formula is in
+    kernels/tiles_backward.py's docstring). With soft-capping the caller multiplies by
+    ``softcap_derivative``."""
+    is_target = (cols[None, :] == target[:, None]) & in_tile
+    grad = tl.where(is_target, target_grad[:, None], p_coef[:, None] * prob)
+    if HAS_SMOOTHING:
+        grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
+    return grad, is_target
+
+
+@triton.jit
+def softcap_derivative(capped):
+    """dz/dx of z = softcap * tanh(x / softcap), from t = tanh(x / softcap) (``logit_epilogue``'s
+    second value): 1 - t^2."""
+    return 1.0 - capped * capped
+
+
+@triton.jit
+def grad_from_logits(
+    logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
+    softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """(G, prob, is_target) of a tile from its raw fp32 logits E @ C.T: the epilogue, the
+    softmax against the rows' ``lse``, ``grad_from_prob`` and the cap's derivative."""
+    logits, capped = logit_epilogue(
+        logits, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP, ROUND
+    )
+    in_tile = row_mask[:, None] & col_mask[None, :]
+    prob = tl.where(in_tile, tl.exp(logits - lse[:, None]), 0.0)
+    grad, is_target = grad_from_prob(
+        prob, cols, in_tile, target, p_coef, target_grad, smooth_coef, HAS_SMOOTHING
+    )
+    if HAS_SOFTCAP:
+        grad *= softcap_derivative(capped)
+    return grad, prob, is_target
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Logit-gradient chunks for the GEMM backward: G for (token chunk x vocabulary chunk), in bf16.
 
-The fused tile backward (backward.py) sends dE and dC through atomics, one add per tile and
+The fused tile backward (tiles_backward.py) sends dE and dC through atomics, one add per tile and
 hidden element; when little can be filtered (a near-uniform softmax, early in pretraining) those
 atomics dominate. This path instead writes G for a bounded chunk into a reused buffer and lets
 two GEMMs consume it, with no atomics at all:
@@ -9,10 +9,11 @@ two GEMMs consume it, with no atomics at all:
     dC[chunk cols]  = G.T @ E[chunk rows]    (one GEMM over every row when the chunk holds all)
 
 The kernel recomputes the logit tile as the fused backward does and forms G with the same
-``grad_from_logits``, so the two paths share their math; on Hopper it reads its tiles through
-the copy engine (TMA). Rows past the last non-ignored token get G = 0. Which strategy a call
-takes (kept logits, buffers borrowed from the weight gradient's storage, or token chunks of what
-size) is planned on the host by fused_lce/backward_plan.py; ``lce_backward_gemm`` follows its plan.
+``grad_from_logits`` (common.py), so the two paths share their math; on Hopper it reads its
+tiles through the copy engine (TMA). Rows past the last non-ignored token get G = 0. Which
+strategy a call takes (kept logits, buffers borrowed from the weight gradient's storage, or token
+chunks of what size) is planned on the host by fused_lce/backward_plan.py; ``lce_backward_gemm``
+follows its plan.
 """
 
 from __future__ import annotations
@@ -21,30 +22,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles_backward import check_row_vectors, grad_from_logits, load_row_terms
 from .common import (
     INTERPRET,
     TileConfig,
     check_operands,
+    check_row_terms,
+    check_row_vectors,
     check_vector,
     dot_settings,
     gpu_family,
+    grad_from_logits,
+    grad_from_prob,
+    load_row_terms,
     logits_tile,
     logits_tile_tma,
     round_code,
+    softcap_derivative,
     tma_descriptor,
     use_tma,
+    when_given,
 )
 from .lse_forward import KeptLogits, valid_rows
 from .products import accumulate_mm
 
 
 @triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
-    }
+    when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap", HAS_SMOOTHING="smooth_coef_ptr")
 )
 @triton.jit
 def _grad_logits_kernel(
@@ -129,19 +132,14 @@ def _grad_logits_kernel(
             stride_en, stride_ed, stride_cv, stride_cd,
             BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
         )
-    grad, _ = grad_from_logits(
+    grad, _, _ = grad_from_logits(
         logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
-        softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
+        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
     tl.store(g_ptrs, grad.to(out_dtype), mask=out_mask)
 
 
-@triton.heuristics(
-    {
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
-    }
-)
+@triton.heuristics(when_given(HAS_SOFTCAP="softcap", HAS_SMOOTHING="smooth_coef_ptr"))
 @triton.jit
 def _grad_from_kept_kernel(
     scaled_ptr,
@@ -163,8 +161,8 @@ def _grad_from_kept_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
 ):
-    """G in place of the kept exponentials: the formula of ``grad_from_logits``, with the
-    probability read as scaled * exp(tile max - lse) instead of recomputed."""
+    """G in place of the kept exponentials: ``grad_from_prob``, with the probability read as
+    scaled * exp(tile max - lse) instead of recomputed."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     in_rows = rows < n_rows
@@ -176,17 +174,14 @@ def _grad_from_kept_kernel(
                      mask=in_tile, other=0.0).to(tl.float32)
     tile_max = tl.load(tile_max_ptr + rows[:, None] * stride_tile_max
                        + cols[None, :] // KEPT_BLOCK_V, mask=in_tile, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-
+    target, lse, p_coef, target_grad, smooth_coef = load_row_terms(
+        rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr, smooth_coef_ptr,
+        HAS_SMOOTHING,
+    )
     prob = tl.where(in_tile, scaled * tl.exp(tile_max - lse[:, None]), 0.0)
-    is_target = (cols[None, :] == target[:, None]) & in_tile
-    grad = tl.where(is_target, target_grad[:, None], p_coef[:, None] * prob)
-    if HAS_SMOOTHING:
-        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
-        grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
+    grad, _ = grad_from_prob(
+        prob, cols, in_tile, target, p_coef, target_grad, smooth_coef, HAS_SMOOTHING
+    )
     if HAS_SOFTCAP:
         # The capped logit, back from its exponential. The floor is an fp32 normal: Triton types
         # a literal below that range (1e-38) as fp64, which made this branch fp64 math with
@@ -194,7 +189,7 @@ def _grad_from_kept_kernel(
         # a logit 69 below its row's max, where the softmax term is nothing anyway.
         logit = tile_max + tl.log(tl.maximum(scaled, 1e-30))
         capped = tl.where(in_tile, tl.minimum(tl.maximum(logit / softcap, -1.0), 1.0), 0.0)
-        grad *= 1.0 - capped * capped
+        grad *= softcap_derivative(capped)
     out = scaled_ptr + rows[:, None] * stride_scaled + cols[None, :]
     tl.store(out, grad.to(scaled_ptr.dtype.element_ty), mask=in_rows[:, None] & col_mask[None, :])
 
@@ -206,11 +201,7 @@ def grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap) -> torch.
     if kept.scaled.stride(1) != 1 or kept.tile_max.stride(1) != 1:
         raise ValueError("kept logits must have unit column stride")
     check_vector("row_valid", row_valid, n_rows, (torch.int8,))
-    check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
-    for name, vector in (("lse", lse), ("p_coef", coefs.p_coef),
-                         ("target_grad", coefs.target_grad), ("smooth_coef", coefs.smooth_coef)):
-        if vector is not None:
-            check_vector(name, vector, n_rows, (torch.float32,))
+    check_row_terms(n_rows, target_local, lse, coefs)
     block_n, block_v = (64, 128) if INTERPRET else (32, 256)
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_vocab, block_v))
     if n_rows > 0 and n_vocab > 0:

@@ -18,27 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles_backward import grad_from_logits, load_row_terms
-from .common import INTERPRET, RowCoefficients, check_vector, fold_tile, tanh
-
-
-@triton.jit
-def _capped_logits(raw, bias_ptr, cols, col_mask, softcap,
-                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    logits = raw.to(tl.float32)
-    if HAS_BIAS:
-        logits += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        logits = softcap * tanh(logits / softcap)
-    return logits
+from .common import (
+    INTERPRET,
+    RowCoefficients,
+    check_row_terms,
+    check_vector,
+    fold_tile,
+    grad_from_logits,
+    load_row_terms,
+    logit_epilogue,
+    when_given,
+)
 
 
 @triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "WANT_ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
-    }
+    when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap", WANT_ROW_SUM="row_sum_ptr")
 )
 @triton.jit
 def _row_statistics_kernel(
@@ -60,7 +54,10 @@ def _row_statistics_kernel(
         in_tile = row_mask[:, None] & col_mask[None, :]
         raw = tl.load(logits_ptr + rows[:, None] * stride_row + cols[None, :], mask=in_tile,
                       other=0.0)
-        logits = _capped_logits(raw, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+        # ROUND 0: the logits are already rounded to the buffer's dtype by the GEMM that wrote them.
+        logits, _ = logit_epilogue(
+            raw.to(tl.float32), bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP, 0
+        )
         logits = tl.where(in_tile, logits, float("-inf"))
         run_max, run_sum, _ = fold_tile(logits, run_max, run_sum)
         if WANT_ROW_SUM:
@@ -70,11 +67,9 @@ def _row_statistics_kernel(
     owned = row_mask & (target >= 0) & (target < n_cols)
     target_col = tl.where(owned, target, 0)
     raw = tl.load(logits_ptr + rows * stride_row + target_col, mask=owned, other=0.0)
-    target_logit = raw.to(tl.float32)
-    if HAS_BIAS:
-        target_logit += tl.load(bias_ptr + target_col, mask=owned, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        target_logit = softcap * tanh(target_logit / softcap)
+    target_logit, _ = logit_epilogue(
+        raw.to(tl.float32), bias_ptr, target_col, owned, softcap, HAS_BIAS, HAS_SOFTCAP, 0
+    )
     target_logit = tl.where(owned, target_logit, 0.0)
     tl.store(max_ptr + rows, run_max, mask=row_mask)
     tl.store(sum_exp_ptr + rows, run_sum, mask=row_mask)
@@ -84,11 +79,7 @@ def _row_statistics_kernel(
 
 
 @triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
-    }
+    when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap", HAS_SMOOTHING="smooth_coef_ptr")
 )
 @triton.jit
 def _grad_in_place_kernel(
@@ -109,9 +100,9 @@ def _grad_in_place_kernel(
         rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr, smooth_coef_ptr,
         HAS_SMOOTHING,
     )
-    grad, _ = grad_from_logits(
+    grad, _, _ = grad_from_logits(
         raw, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
-        softcap, 0.0, 0, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, 0,
+        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, 0,
     )
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
              grad.to(out_ptr.dtype.element_ty), mask=in_tile)
@@ -190,10 +181,7 @@ def grad_in_place(
             f"out must have logits' shape {tuple(logits.shape)} and unit column stride, got "
             f"{tuple(out.shape)} strides {out.stride()}"
         )
-    for name, vector in (("lse", lse), ("p_coef", coefs.p_coef),
-                         ("target_grad", coefs.target_grad), ("smooth_coef", coefs.smooth_coef)):
-        if vector is not None:
-            check_vector(name, vector, n_rows, (torch.float32,))
+    check_row_terms(n_rows, target_local, lse, coefs)
     # Any tile of 8K elements streams at the copy's rate on an H100 (tune_logit_rows.py).
     block_n, block_v = (16, 256) if INTERPRET else (16, 512)
     if n_rows > 0 and n_cols > 0:

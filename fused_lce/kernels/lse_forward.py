@@ -43,14 +43,14 @@ from .common import (
     dot_settings,
     fold_tile,
     gpu_family,
+    logit_epilogue,
     logits_tile,
     logits_tile_tma,
     num_sms,
     round_code,
-    round_logits,
-    tanh,
     tma_descriptor,
     use_tma,
+    when_given,
 )
 from .softmax_merge import merge_partials
 
@@ -64,12 +64,9 @@ def _accumulate_tile(
 ):
     """Fold one logit tile into the rows' online max, sum-exp and (optional) sums; store the
     logit of each row whose target is a column of this tile."""
-    logits = round_logits(logits, ROUND)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        logits += bias[None, :]
-    if HAS_SOFTCAP:
-        logits = softcap * tanh(logits / softcap)
+    logits, _ = logit_epilogue(
+        logits, bias_ptr, cols, col_mask, softcap, HAS_BIAS, HAS_SOFTCAP, ROUND
+    )
     if ROW_SUM:
         row_sum += tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
     if COL_SUM:
@@ -88,16 +85,14 @@ def _accumulate_tile(
 
 
 @triton.heuristics(
-    {
+    when_given(
         # Bias and soft-capping are rare; compile them out when absent.
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "ROW_SUM": lambda args: args["row_sum_ptr"] is not None,
-        "COL_SUM": lambda args: args["col_sum_ptr"] is not None,
-        "KEEP": lambda args: args["keep_ptr"] is not None,
+        HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap",
+        # The optional outputs of the module docstring.
+        ROW_SUM="row_sum_ptr", COL_SUM="col_sum_ptr", KEEP="keep_ptr",
         # Callers that only want the lse (benchmarks, tests of the statistics) pass no target.
-        "TARGET": lambda args: args["target_ptr"] is not None,
-    }
+        TARGET="target_ptr",
+    )
 )
 @triton.jit
 def _lse_forward_kernel(

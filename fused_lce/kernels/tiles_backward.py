@@ -37,14 +37,15 @@ from .common import (
     RowCoefficients,
     TileConfig,
     check_operands,
-    check_scalar,
+    check_row_vectors,
     check_vector,
     dot_settings,
     gpu_family,
+    grad_from_logits,
+    load_row_terms,
     logits_tile,
     round_code,
-    round_logits,
-    tanh,
+    when_given,
 )
 
 FILTER_OFF, FILTER_ENTRY, FILTER_MASS = 0, 1, 2
@@ -68,46 +69,10 @@ def _grad_tile(
         stride_en, stride_ed, stride_cv, stride_cd,
         BLOCK_N, BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION,
     )
-    return grad_from_logits(
+    grad, prob, is_target = grad_from_logits(
         logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
-        softcap, filter_threshold, FILTER, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
+        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTHING, ROUND,
     )
-
-
-@triton.jit
-def load_row_terms(rows, row_mask, target_ptr, lse_ptr, p_coef_ptr, target_grad_ptr,
-                   smooth_coef_ptr, HAS_SMOOTHING: tl.constexpr):
-    """(target, lse, p_coef, target_grad, smooth_coef) of ``rows``, what ``grad_from_logits``
-    takes per row; masked rows read target -1 and zeros. Without smoothing, smooth_coef is a
-    placeholder (p_coef) that the formula never reads."""
-    target = tl.load(target_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-    smooth_coef = p_coef
-    if HAS_SMOOTHING:
-        smooth_coef = tl.load(smooth_coef_ptr + rows, mask=row_mask, other=0.0)
-    return target, lse, p_coef, target_grad, smooth_coef
-
-
-@triton.jit
-def grad_from_logits(
-    logits, bias_ptr, cols, row_mask, col_mask, target, lse, p_coef, target_grad, smooth_coef,
-    softcap, filter_threshold,
-    FILTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, ROUND: tl.constexpr,
-):
-    """``_grad_tile`` from the tile's raw logits E @ C.T."""
-    logits = round_logits(logits, ROUND)
-    if HAS_BIAS:
-        logits += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        capped = tanh(logits / softcap)
-        logits = softcap * capped
-    in_tile = row_mask[:, None] & col_mask[None, :]
-    prob = tl.where(in_tile, tl.exp(logits - lse[:, None]), 0.0)
-    is_target = (cols[None, :] == target[:, None]) & in_tile
-
     negligible = filter_threshold < 0.0  # never: FILTER == 0 computes every tile
     if FILTER == 1:
         no_target = tl.max(is_target.to(tl.int32)) == 0
@@ -115,25 +80,17 @@ def grad_from_logits(
     if FILTER == 2:
         no_target = tl.max(is_target.to(tl.int32)) == 0
         negligible = (tl.max(tl.sum(prob, axis=1)) < filter_threshold) & no_target
-
-    grad = tl.where(is_target, target_grad[:, None], p_coef[:, None] * prob)
-    if HAS_SMOOTHING:
-        grad -= tl.where(in_tile, smooth_coef[:, None], 0.0)
-    if HAS_SOFTCAP:
-        grad *= 1.0 - capped * capped
     return grad, negligible
 
 
 @triton.heuristics(
-    {
-        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
-        "HAS_SOFTCAP": lambda args: args["softcap"] is not None,
-        "HAS_SMOOTHING": lambda args: args["smooth_coef_ptr"] is not None,
-        "SORTED": lambda args: args["vocab_order_ptr"] is not None,
-        "WANT_DE": lambda args: args["de_ptr"] is not None,
-        "WANT_DC": lambda args: args["dc_ptr"] is not None,
-        "WANT_DBIAS": lambda args: args["dbias_ptr"] is not None,
-    }
+    when_given(
+        HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap", HAS_SMOOTHING="smooth_coef_ptr",
+        # Vocab sorting: the chunk's columns are visited in vocab_order.
+        SORTED="vocab_order_ptr",
+        # The deterministic modes write dE (MODE 1) and dC, dbias (MODE 2) in separate launches.
+        WANT_DE="de_ptr", WANT_DC="dc_ptr", WANT_DBIAS="dbias_ptr",
+    )
 )
 @triton.jit
 def _backward_kernel(
@@ -336,26 +293,6 @@ def plan_chunks(
     cols = max(cfg.block_v, (left // row_bytes) // cfg.block_v * cfg.block_v)
     cols = min(cols, triton.cdiv(max(n_vocab, 1), cfg.block_v) * cfg.block_v)
     return TilesChunkPlan(rows_per_chunk=rows, vocab_per_chunk=cols)
-
-
-def check_row_vectors(
-    n_rows: int,
-    target_local: torch.Tensor,
-    row_order: torch.Tensor,
-    n_valid: torch.Tensor,
-    lse: torch.Tensor,
-    coefs: RowCoefficients,
-) -> None:
-    """The per-row inputs of the backward kernels: (N,) unit-stride vectors of their dtypes."""
-    check_vector("target_local", target_local, n_rows, (torch.int32, torch.int64))
-    check_vector("row_order", row_order, n_rows, (torch.int32,))
-    check_scalar("n_valid", n_valid, torch.int32)
-    fp32 = (torch.float32,)
-    check_vector("lse", lse, n_rows, fp32)
-    check_vector("p_coef", coefs.p_coef, n_rows, fp32)
-    check_vector("target_grad", coefs.target_grad, n_rows, fp32)
-    if coefs.smooth_coef is not None:
-        check_vector("smooth_coef", coefs.smooth_coef, n_rows, fp32)
 
 
 def lce_backward(
