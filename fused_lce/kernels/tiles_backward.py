@@ -83,6 +83,53 @@ def _grad_tile(
     return grad, negligible
 
 
+@triton.jit
+def _vocab_block(vocab_order_ptr, vocab_start, vocab_in_chunk, pid_v,
+                 BLOCK_V: tl.constexpr, SORTED: tl.constexpr):
+    """(positions, their mask, weight rows) of the chunk's vocabulary block ``pid_v``: the
+    positions walk the chunk, the rows are where ``vocab_order`` sends them (with SORTED)."""
+    pos_v = vocab_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = pos_v < vocab_start + vocab_in_chunk
+    if SORTED:
+        cols = tl.load(vocab_order_ptr + pos_v, mask=col_mask, other=0).to(tl.int64)
+    else:
+        cols = pos_v.to(tl.int64)
+    return pos_v, col_mask, cols
+
+
+@triton.jit
+def _add_product(
+    grad, src_ptr, src_rows, src_mask, stride_src, stride_src_d,
+    out_ptr, out_rows, out_mask, stride_out, d_model,
+    BLOCK_D: tl.constexpr, TRANSPOSE: tl.constexpr, ATOMIC: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[out_rows] += G @ src[src_rows] (with TRANSPOSE, G.T @ src[src_rows]) in fp32 scratch,
+    BLOCK_D columns at a time: through atomics (ATOMIC: other programs add to the same rows) or
+    as the rows' only writer."""
+    for d0 in range(0, d_model, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < d_model
+        src = tl.load(
+            src_ptr + src_rows[:, None] * stride_src + offs_d[None, :] * stride_src_d,
+            mask=src_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            src = src.to(tl.float32)
+        if TRANSPOSE:
+            product = tl.dot(tl.trans(grad), src, input_precision=DOT_PRECISION)
+        else:
+            product = tl.dot(grad, src, input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + out_rows[:, None] * stride_out + offs_d[None, :]
+        mask = out_mask[:, None] & d_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, product, mask=mask)
+        else:
+            product += tl.load(out_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, product, mask=mask)
+
+
 @triton.heuristics(
     when_given(
         HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap", HAS_SMOOTHING="smooth_coef_ptr",
@@ -179,13 +226,9 @@ def _backward_kernel(
         )
 
         for v_step in range(0, v_count):
-            pid_v = v_first + v_step
-            pos_v = vocab_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-            col_mask = pos_v < vocab_start + vocab_in_chunk
-            if SORTED:
-                cols = tl.load(vocab_order_ptr + pos_v, mask=col_mask, other=0).to(tl.int64)
-            else:
-                cols = pos_v.to(tl.int64)
+            pos_v, col_mask, cols = _vocab_block(
+                vocab_order_ptr, vocab_start, vocab_in_chunk, v_first + v_step, BLOCK_V, SORTED
+            )
             grad, negligible = _grad_tile(
                 e_ptr, c_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                 target, lse, p_coef, target_grad, smooth_coef,
@@ -202,43 +245,19 @@ def _backward_kernel(
                 local_n = (pos_n - row_start).to(tl.int64)
                 local_v = (pos_v - vocab_start).to(tl.int64)
                 if WANT_DE and MODE != 2:
-                    for d0 in range(0, d_model, BLOCK_D):
-                        offs_d = d0 + tl.arange(0, BLOCK_D)
-                        d_mask = offs_d < d_model
-                        c = tl.load(
-                            c_ptr + cols[:, None] * stride_cv + offs_d[None, :] * stride_cd,
-                            mask=col_mask[:, None] & d_mask[None, :],
-                            other=0.0,
-                        )
-                        if DOT_FP32:
-                            c = c.to(tl.float32)
-                        de = tl.dot(grad_mm, c, input_precision=DOT_PRECISION)
-                        de_ptrs = de_ptr + local_n[:, None] * stride_de + offs_d[None, :]
-                        de_mask = row_mask[:, None] & d_mask[None, :]
-                        if MODE == 0:
-                            tl.atomic_add(de_ptrs, de, mask=de_mask)
-                        else:
-                            de += tl.load(de_ptrs, mask=de_mask, other=0.0)
-                            tl.store(de_ptrs, de, mask=de_mask)
+                    # dE[rows] += G @ C[cols]
+                    _add_product(
+                        grad_mm, c_ptr, cols, col_mask, stride_cv, stride_cd,
+                        de_ptr, local_n, row_mask, stride_de, d_model,
+                        BLOCK_D, False, MODE == 0, DOT_FP32, DOT_PRECISION,
+                    )
                 if WANT_DC and MODE != 1:
-                    for d0 in range(0, d_model, BLOCK_D):
-                        offs_d = d0 + tl.arange(0, BLOCK_D)
-                        d_mask = offs_d < d_model
-                        e = tl.load(
-                            e_ptr + rows[:, None] * stride_en + offs_d[None, :] * stride_ed,
-                            mask=row_mask[:, None] & d_mask[None, :],
-                            other=0.0,
-                        )
-                        if DOT_FP32:
-                            e = e.to(tl.float32)
-                        dc = tl.dot(tl.trans(grad_mm), e, input_precision=DOT_PRECISION)
-                        dc_ptrs = dc_ptr + local_v[:, None] * stride_dc + offs_d[None, :]
-                        dc_mask = col_mask[:, None] & d_mask[None, :]
-                        if MODE == 0:
-                            tl.atomic_add(dc_ptrs, dc, mask=dc_mask)
-                        else:
-                            dc += tl.load(dc_ptrs, mask=dc_mask, other=0.0)
-                            tl.store(dc_ptrs, dc, mask=dc_mask)
+                    # dC[cols] += G.T @ E[rows]
+                    _add_product(
+                        grad_mm, e_ptr, rows, row_mask, stride_en, stride_ed,
+                        dc_ptr, local_v, col_mask, stride_dc, d_model,
+                        BLOCK_D, True, MODE == 0, DOT_FP32, DOT_PRECISION,
+                    )
                 if WANT_DBIAS:
                     if MODE == 0:
                         tl.atomic_add(dbias_ptr + cols, tl.sum(grad, axis=0), mask=col_mask)
@@ -247,12 +266,9 @@ def _backward_kernel(
 
     if MODE == 2:
         if WANT_DBIAS:
-            pos_v = vocab_start + v_first * BLOCK_V + tl.arange(0, BLOCK_V)
-            col_mask = pos_v < vocab_start + vocab_in_chunk
-            if SORTED:
-                cols = tl.load(vocab_order_ptr + pos_v, mask=col_mask, other=0).to(tl.int64)
-            else:
-                cols = pos_v.to(tl.int64)
+            pos_v, col_mask, cols = _vocab_block(
+                vocab_order_ptr, vocab_start, vocab_in_chunk, v_first, BLOCK_V, SORTED
+            )
             dbias_acc += tl.load(dbias_ptr + cols, mask=col_mask, other=0.0)
             tl.store(dbias_ptr + cols, dbias_acc, mask=col_mask)
 
