@@ -21,7 +21,9 @@ from helpers import assert_close_rel, rel_err
 from helpers_lce import IGNORE_INDEX, make_problem, record_chunk_plans
 
 from fused_lce.backward_plan import plan_gemm_backward_for
-from fused_lce.triton_shard import local_targets, prepare_rows
+from fused_lce.kernels.common import use_tma
+from fused_lce.kernels.gemm_backward import grad_logits, lce_backward_gemm
+from fused_lce.kernels.lse_forward import lse_forward
 from fused_lce.kernels.tiles_backward import (
     FILTER_ENTRY,
     FILTER_MASS,
@@ -30,11 +32,9 @@ from fused_lce.kernels.tiles_backward import (
     lce_backward,
     plan_chunks,
 )
-from fused_lce.kernels.common import ENV_TMA, use_tma
-from fused_lce.kernels.gemm_backward import grad_logits, lce_backward_gemm
-from fused_lce.kernels.lse_forward import lse_forward
 from fused_lce.options import LCEOptions
 from fused_lce.terms import GradCoefficients
+from fused_lce.triton_shard import local_targets, prepare_rows
 
 N, V, D = 150, 307, 70
 CPU = torch.device("cpu")
@@ -359,7 +359,7 @@ def test_grad_logits_chunk(options):
     _check_grad_logits_chunk(torch.float32, D, options)
 
 
-def _check_grad_logits_chunk(dtype, d, options):
+def _check_grad_logits_chunk(dtype, d, options, tma=True):
     """G for positions [64, 150) of the row order x columns [128, 278): the fp64 logit
     gradient of those rows and columns, and exactly 0 for the ignored rows at the end."""
     inputs, grad_logits64, opts = _setup_backward(dtype, "peaked", options, seed=48, d=d)
@@ -371,7 +371,7 @@ def _check_grad_logits_chunk(dtype, d, options):
     grad_logits(
         hidden_chunk, inputs["weight"], inputs["bias"], inputs["row_order"], inputs["n_valid"],
         inputs["target_local"], inputs["lse"], inputs["coefs"], out,
-        row_start=row_start, vocab_start=vocab_start, softcap=opts.softcap,
+        row_start=row_start, vocab_start=vocab_start, softcap=opts.softcap, tma=tma,
     )
     expected = grad_logits64[positions][:, vocab_start : vocab_start + cols]
     assert_close_rel(out, expected, TOL, name="G chunk")
@@ -417,17 +417,16 @@ def test_backward_gemm_matches_fp64(monkeypatch, options, scratch):
 D_ALIGNED = 72
 
 
-@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
-def test_lse_forward_aligned_bf16(monkeypatch, tma):
-    monkeypatch.setenv(ENV_TMA, tma)
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+def test_lse_forward_aligned_bf16(tma):
     hidden, weight, target, bias = make_problem(
         N, V, D_ALIGNED, torch.bfloat16, "peaked", ignore_frac=0.2, bias=True, seed=43
     )
-    assert use_tma(hidden, weight) == (tma == "1")
+    assert use_tma(hidden, weight, enabled=tma) == tma
     rows = prepare_rows(target, IGNORE_INDEX)
     stats = lse_forward(
         hidden, weight, bias, rows.order, rows.n_valid, softcap=5.0,
-        want_row_sum=True, want_col_sum=True,
+        want_row_sum=True, want_col_sum=True, tma=tma,
     )
     logits = _logits64(hidden, weight, bias, 5.0)
     valid = rows.valid
@@ -438,11 +437,10 @@ def test_lse_forward_aligned_bf16(monkeypatch, tma):
     assert torch.all(stats.sum_exp[~valid] == 0)
 
 
-@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
-def test_grad_logits_chunk_aligned_bf16(monkeypatch, tma):
-    monkeypatch.setenv(ENV_TMA, tma)
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+def test_grad_logits_chunk_aligned_bf16(tma):
     _check_grad_logits_chunk(
-        torch.bfloat16, D_ALIGNED, BACKWARD_OPTIONS["smoothing-softcap-zloss"]
+        torch.bfloat16, D_ALIGNED, BACKWARD_OPTIONS["smoothing-softcap-zloss"], tma=tma
     )
 
 
@@ -584,7 +582,7 @@ def test_round_logits_end_to_end():
 
 
 @pytest.mark.parametrize("options", BACKWARD_OPTIONS.values(), ids=BACKWARD_OPTIONS.keys())
-@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointer"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
 @pytest.mark.parametrize("kept_bits", [32, 16], ids=["kept-fp32", "kept-bf16"])
 def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     """The gradients match fp64 without a single grad_logits call. 16 bits: the interpreter
@@ -592,7 +590,6 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     import fused_lce.kernels.gemm_backward as gemm
     import fused_lce.kernels.lse_forward as forward
 
-    monkeypatch.setenv(ENV_TMA, tma)
     if kept_bits == 16:
         monkeypatch.setattr(forward, "kept_dtype", lambda hidden: torch.bfloat16)
     inputs, grad_logits64, opts = _setup_backward(
@@ -600,7 +597,7 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     )
     stats = lse_forward(
         inputs["hidden"], inputs["weight"], inputs["bias"], inputs["row_order"],
-        inputs["n_valid"], softcap=opts.softcap, keep_logits=True,
+        inputs["n_valid"], softcap=opts.softcap, keep_logits=True, tma=tma,
     )
     kept = stats.kept
     assert kept.scaled.dtype == (torch.bfloat16 if kept_bits == 16 else torch.float32)
@@ -616,7 +613,8 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
         raise AssertionError("a logit chunk was recomputed")
 
     monkeypatch.setattr(gemm, "grad_logits", no_recompute)
-    d_hidden, d_weight, d_bias = _backward_gemm(inputs, opts.softcap, 64 * 2**20, kept=kept)
+    d_hidden, d_weight, d_bias = _backward_gemm(inputs, opts.softcap, 64 * 2**20, kept=kept,
+                                                tma=tma)
     assert kept.scaled is None  # consumed: G took its storage
     got = {"input": d_hidden, "weight": d_weight, "bias": d_bias}
     for name, want in _expected_grads(inputs, grad_logits64).items():

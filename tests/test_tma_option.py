@@ -10,7 +10,8 @@ from helpers_lce import make_problem
 import fused_lce.kernels.gemm_backward as gemm_backward
 import fused_lce.kernels.lse_forward as lse_forward
 from fused_lce import LinearCrossEntropy, linear_cross_entropy
-from fused_lce.kernels.common import ENV_TMA, use_tma
+from fused_lce.kernels.common import use_tma
+from fused_lce.options import ENV_TMA
 
 D_ALIGNED = 72  # 16-byte rows at bf16: TMA-capable under the interpreter
 
@@ -19,7 +20,7 @@ def _spy(monkeypatch) -> list[tuple[str, bool]]:
     """Record what each launcher decided about tensor descriptors."""
     seen = []
     for module in (lse_forward, gemm_backward):
-        def spy(*tensors, enabled=None, _name=module.__name__):
+        def spy(*tensors, enabled=True, _name=module.__name__):
             decided = use_tma(*tensors, enabled=enabled)
             seen.append((_name.rsplit(".", 1)[1], decided))
             return decided

@@ -213,25 +213,14 @@ def check_row_vectors(
     check_scalar("n_valid", n_valid, torch.int32)
 
 
-ENV_TMA = "FUSED_LCE_TMA"
-
-
-def tma_from_env() -> bool:
-    """``FUSED_LCE_TMA``: ``0`` selects the pointer kernels; unset or anything else allows TMA."""
-    return os.environ.get(ENV_TMA, "1") != "0"
-
-
-def use_tma(*tensors: torch.Tensor, enabled: bool | None = None) -> bool:
+def use_tma(*tensors: torch.Tensor, enabled: bool = True) -> bool:
     """Whether the kernels may read these 16-bit (rows, D) tensors through tensor descriptors.
 
     Hopper and newer GPUs have the copy engine; the interpreter emulates it, which keeps the TMA
     kernels under CI. The descriptors need a unit last stride and 16-byte aligned rows and base.
-    ``enabled=False`` selects the pointer kernels (the op passes ``LCEOptions.tma``, resolved
-    once when its options are built); None reads ``FUSED_LCE_TMA`` (``0``: off), for launchers
-    called directly.
+    ``enabled=False`` selects the pointer kernels (the op passes ``LCEOptions.tma_allowed``: the
+    option, or the FUSED_LCE_TMA environment variable that fused_lce/options.py reads).
     """
-    if enabled is None:
-        enabled = tma_from_env()
     if not enabled:
         return False
     first = tensors[0]

@@ -245,7 +245,7 @@ def grad_logits(
     vocab_start: int,
     softcap: float | None,
     round_16bit: bool = False,
-    tma: bool | None = None,
+    tma: bool = True,
 ) -> torch.Tensor:
     """Fill ``out`` (rows, cols) with G for the chunk's rows and ``weight[vocab_start:]`` columns.
 
@@ -307,7 +307,7 @@ def lce_backward_gemm(
     d_weight_accumulator: torch.Tensor | None = None,
     round_16bit: bool = False,
     kept: KeptLogits | None = None,
-    tma: bool | None = None,
+    tma: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(d_hidden, d_weight, d_bias) through G chunks and GEMMs; deterministic, no filtering.
 

@@ -273,7 +273,7 @@ def lse_forward(
     want_col_sum: bool = False,
     round_16bit: bool = False,
     keep_logits: bool = False,
-    tma: bool | None = None,
+    tma: bool = True,
 ) -> LSEStats:
     """Max and sum-exp per row of ``softcap(hidden @ weight.T + bias)`` over this weight's rows.
 
@@ -290,7 +290,7 @@ def lse_forward(
             (``LCEOptions.round_logits``).
         keep_logits: also return the logits as :class:`KeptLogits`
             (``LCEOptions.recompute_logits=False``).
-        tma: False keeps the pointer kernels; None reads FUSED_LCE_TMA (``common.use_tma``).
+        tma: False keeps the pointer kernels (``common.use_tma``).
     """
     # Check constraints.
     check_operands(hidden, weight, bias)
