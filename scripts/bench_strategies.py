@@ -36,6 +36,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
 bench_lce = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lce"] = bench_lce  # its dataclasses look their module up
 _spec.loader.exec_module(bench_lce)
 
 import fused_lce.backward_plan as backward_plan  # noqa: E402
