@@ -11,17 +11,26 @@ logits, all of which combine across shards:
     nll = (M - z_y) + log S                          (fused_lce.terms: exact where y holds M)
 
 Each shard's (m_r, s_r) come from the same kernels as the single-device op, so nothing of size
-N x V_r is ever stored. The backward recomputes each shard's logit tiles against the global lse
-(with the single-device backward, filtering included: the filter's budget is set by the global V)
-and writes that shard's weight gradient locally; the partial input gradients are summed.
+N x V_r is ever stored. By default (fused_lce/forward_grad.py) the forward walks token chunks of
+R rows: each chunk's statistics are combined as above, then its logits become the logit gradient
+against the global lse, and the shard's weight gradient and partial input gradient are summed
+there; the backward scales them by the upstream gradient, or, where that is not the one the
+forward assumed, recomputes. The recomputing backwards (``backward="gemm"``/``"tiles"``, the lean
+budget) take the statistics in the forward and recompute each shard's logit tiles against the
+global lse in the backward, filtering included (the filter's budget is set by the global V). An
+evaluation call walks the chunks training walks, statistics only.
 
-Collective budget per call (N tokens in the TP group, D hidden, TP ranks):
+Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows a chunk):
 
     forward   SP only: all-gather hidden   [N/TP x D -> N x D], input dtype
-              all-reduce MAX               [N] fp32
-              all-reduce SUM               [2N] fp32, [3N] with label smoothing
-    backward  SP only: all-gather hidden   [N/TP x D -> N x D], input dtype (re-gathered rather
-                                            than saved: saves (TP-1)/TP of N x D per layer)
+              per chunk (default; one chunk of N rows for the recomputing backwards):
+              all-reduce MAX               [R] fp32
+              all-reduce SUM               [2R] fp32, [3R] with label smoothing
+    backward  reduction "none" (default mode): all-reduce MAX [1] fp32, the ranks' verdicts on
+                                            the assumed upstream gradient, read once
+              recompute only, SP only: all-gather hidden [N/TP x D -> N x D], input dtype
+                                            (re-gathered rather than saved: saves (TP-1)/TP of
+                                            N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
               reduce-scatter d_hidden       [N x D -> N/TP x D] fp32, in place on NCCL
     per call  agreement all-gather          [TP x 7] int64 on the host (gloo; no device sync),
