@@ -77,9 +77,14 @@ def test_many_chunks_without_fp32_weight_grad_round_per_chunk(dtype, walks, reco
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_none_with_its_loss_mask_keeps_the_forward_gradients(dtype, walks, recomputes):
+@pytest.mark.parametrize("weights", ["binary", "real"])
+def test_none_with_its_loss_mask_keeps_the_forward_gradients(dtype, weights, walks, recomputes):
+    """Megatron's 0/1 mask, or any per-token weights (RL advantages, importance weights) passed
+    as ``loss_mask``: the forward's gradients apply, with no recompute."""
     hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2, seed=7)
     mask = (torch.arange(N) % 3 != 0).to(dtype)
+    if weights == "real":
+        mask = mask * torch.linspace(-1.5, 2.0, N).to(dtype)
     scale = 0.37
 
     def megatron_objective(h, w, impl, **kw):
