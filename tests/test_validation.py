@@ -250,6 +250,43 @@ def test_bad_scratch_env_var_raises(monkeypatch):
         linear_cross_entropy(hidden, p["weight"], p["target"], impl="cce").backward()
 
 
+def test_options_keep_their_environment_through_replace(monkeypatch):
+    """The environment is read once, into a field that dataclasses.replace carries over."""
+    import dataclasses
+
+    from fused_lce.options import LCEOptions
+
+    monkeypatch.setenv("FUSED_LCE_SCRATCH_MB", "7")
+    monkeypatch.setenv("FUSED_LCE_VOCAB_CHUNK", "33")
+    opts = LCEOptions()
+    monkeypatch.setenv("FUSED_LCE_SCRATCH_MB", "9")
+    monkeypatch.delenv("FUSED_LCE_VOCAB_CHUNK")
+    changed = dataclasses.replace(opts, reduction="sum")
+    assert (changed.scratch_bytes, changed.vocab_chunk, changed.scratch_explicit) == (
+        7 * 2**20, 33, True)
+    assert LCEOptions().scratch_bytes == 9 * 2**20 and LCEOptions().vocab_chunk == 4096
+    assert changed == LCEOptions(reduction="sum")  # the snapshot is not part of equality
+
+
+def test_bad_environment_is_refused_where_it_is_read(monkeypatch):
+    from fused_lce.options import LCEOptions
+
+    monkeypatch.setenv("FUSED_LCE_TOKEN_CHUNK", "-3")
+    with pytest.raises(ValueError, match="environment variable FUSED_LCE_TOKEN_CHUNK"):
+        LCEOptions()
+    assert LCEOptions(token_chunk_size=5).token_chunk == 5  # overridden: never read
+    with pytest.raises(TypeError, match="environment must be an options.Environment"):
+        LCEOptions(environment={"tma": "0"})
+
+
+def test_old_spelling_of_the_in_forward_backward_warns():
+    from fused_lce.options import LCEOptions
+
+    with pytest.warns(FutureWarning, match="backward='in_forward'"):
+        opts = LCEOptions(backward="forward")
+    assert opts.backward == "in_forward"
+
+
 # ---------------------------------------------------------------------------------------------
 # Non-finite and empty inputs behave as torch does
 # ---------------------------------------------------------------------------------------------
