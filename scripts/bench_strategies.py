@@ -14,7 +14,9 @@ script times them side by side, with torch.compile as the yardstick, in two work
   mask (RL advantages, importance weights). The forward's gradients then do not apply, the
   default recomputes them (six GEMMs), and the recomputing (``gemm``, four GEMMs) and
   ``recompute_logits=False`` (``kept``, three GEMMs at a bf16 logits tensor's memory) backwards
-  are the ones to compare.
+  are the ones to compare. When the weights are known before the forward, passing them as
+  ``loss_mask`` lets the default keep its forward's gradients (the row ``weights as
+  loss_mask``); ``kept`` is for an upstream gradient the forward cannot know.
 
 Shapes: the three models at TP=1, and one TP=8 rank's work (its V/8 vocabulary shard, every
 token: with sequence parallelism the hidden states are gathered) for the two big vocabularies.
@@ -99,6 +101,11 @@ def weighted_strategies(n_tokens: int) -> dict:
             return (losses * weights).sum()
         return call
 
+    def weights_as_loss_mask(h, w, t):
+        # Weights known before the forward, handed over: the forward's gradients then apply.
+        losses = linear_cross_entropy(h, w, t, impl="cce", reduction="none", loss_mask=weights)
+        return (losses * weights).sum()
+
     def torch_weighted(h, w, t):
         losses = torch.nn.functional.cross_entropy((h @ w.t()).float(), t, reduction="none")
         return (losses * weights).sum()
@@ -106,12 +113,14 @@ def weighted_strategies(n_tokens: int) -> dict:
     return {
         "torch.compile": torch.compile(torch_weighted),
         "in_forward (default; recomputes)": weighted(),
+        "in_forward, weights as loss_mask": weights_as_loss_mask,
         "gemm": weighted(backward="gemm"),
         "kept": weighted(recompute_logits=False),
     }
 
 
-def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int) -> list[dict]:
+def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int,
+        workloads: tuple[str, ...] = ("mean", "weighted")) -> list[dict]:
     rows = []
     for shape in shapes:
         model, tp = SHAPES[shape]
@@ -124,8 +133,9 @@ def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int) -> list[dict
         floor_ms = 3 * 2 * n_tokens * vocab * cfg.hidden_size / ceiling / 1e9
         print(f"# {shape} N={n_tokens} V={vocab} D={cfg.hidden_size} {regime}: cuBLAS "
               f"{ceiling:.0f} TFLOP/s, 3-GEMM floor {floor_ms:.2f} ms", flush=True)
-        for workload, table in (("mean", mean_strategies()),
-                                ("weighted", weighted_strategies(n_tokens))):
+        tables = {"mean": mean_strategies, "weighted": lambda: weighted_strategies(n_tokens)}
+        for workload in workloads:
+            table = tables[workload]()
             for name, fn in table.items():
                 try:
                     result = bench_lce.measure(fn, hidden, weight, target, rep_ms)
@@ -151,6 +161,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--regime", default="trained", choices=["uniform", "trained"])
     parser.add_argument("--rep-ms", type=int, default=100)
+    parser.add_argument("--workloads", nargs="+", default=["mean", "weighted"],
+                        choices=["mean", "weighted"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -158,7 +170,7 @@ def main(argv=None) -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     # The default's recompute warning is the point of the weighted workload, not news.
     warnings.filterwarnings("ignore", message=".*upstream gradient is not a multiple.*")
-    rows = run(args.shapes, args.tokens, args.regime, args.rep_ms)
+    rows = run(args.shapes, args.tokens, args.regime, args.rep_ms, tuple(args.workloads))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "results.csv", "w", newline="") as f:
