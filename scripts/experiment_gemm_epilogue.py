@@ -1,0 +1,177 @@
+"""Experiment: can a Triton GEMM carry the statistics pass in its epilogue at cuBLAS speed? One GPU.
+
+    python scripts/experiment_gemm_epilogue.py --out OUT/gemm_epilogue
+
+The default mode's logits GEMM is cuBLAS's, and the statistics pass then reads the chunk's
+logits again (scripts/profile_default.py: 1.4 ms a step at Gemma-2). A persistent Triton GEMM
+over tensor descriptors that also writes, per row and column tile, the tile's max and sum-exp
+would save that read, if its GEMM keeps up with cuBLAS. This times, at the default's chunk
+shapes (4096 tokens): cuBLAS's logits GEMM alone and followed by the statistics pass, against the
+Triton GEMM alone and with the statistics epilogue (plus the merge of its per-tile partials),
+over a few tile shapes, pipeline depths and Triton's warp specialisation; and checks the logits
+and the lse against torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fused_lce.kernels.logit_rows import row_statistics
+
+
+@triton.jit
+def _gemm_kernel(x_desc, w_desc, z_desc, part_max_ptr, part_sum_ptr, M, N, K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, STATS: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr):
+    n_pid_m = tl.cdiv(M, BLOCK_M)
+    n_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * n_pid_n
+    for tile in tl.range(tl.program_id(0), n_pid_m * n_pid_n, NUM_SMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        first_m = tile // per_group * GROUP_M
+        group_rows = min(n_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_tiles):
+            a = x_desc.load([row0, k * BLOCK_K])
+            b = w_desc.load([col0, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        z = acc.to(z_desc.dtype)
+        z_desc.store([row0, col0], z)
+        if STATS:
+            cols = col0 + tl.arange(0, BLOCK_N)
+            logits = tl.where(cols[None, :] < N, z.to(tl.float32), float("-inf"))
+            tile_max = tl.max(logits, axis=1)
+            # exp2 of pre-scaled logits: one multiply-add and MUFU.EX2 per logit.
+            scaled = (logits - tile_max[:, None]) * 1.4426950408889634
+            tile_sum = tl.sum(tl.exp2(scaled), axis=1)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            tl.store(part_max_ptr + pid_n * M + rows, tile_max, mask=rows < M)
+            tl.store(part_sum_ptr + pid_n * M + rows, tile_sum, mask=rows < M)
+
+
+def triton_logits(x, w, z, config, stats: bool):
+    block_m, block_n, block_k, stages, warps, ws, flatten = config
+    m, k = x.shape
+    n = w.shape[0]
+    sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
+           if x.is_cuda else 4)
+    tiles_n = triton.cdiv(n, block_n)
+    part_max = part_sum = None
+    if stats:
+        part_max = torch.empty(tiles_n, m, device=x.device, dtype=torch.float32)
+        part_sum = torch.empty(tiles_n, m, device=x.device, dtype=torch.float32)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    z_desc = TensorDescriptor.from_tensor(z, [block_m, block_n])
+    grid = (min(sms, triton.cdiv(m, block_m) * tiles_n),)
+    _gemm_kernel[grid](x_desc, w_desc, z_desc, part_max, part_sum, m, n, k,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                       NUM_SMS=sms, STATS=stats, WARP_SPECIALIZE=ws, FLATTEN=flatten,
+                       num_stages=stages, num_warps=warps)
+    if not stats:
+        return None
+    row_max = part_max.max(dim=0).values
+    return row_max + torch.log((part_sum * torch.exp(part_max - row_max)).sum(dim=0))
+
+
+def cublas_logits(x, w, z, stats: bool):
+    torch.mm(x, w.t(), out=z)
+    if not stats:
+        return None
+    target = torch.full((x.shape[0],), -1, device=x.device, dtype=torch.int64)
+    row_max, sum_exp, _, _ = row_statistics(z, None, target, None, False)
+    return row_max + torch.log(sum_exp)
+
+
+# BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, warp specialisation, flattened tile loop. Measured
+# on an H100 (docs/benchmarks/gemm_epilogue_h100_202611.md): 128 x 256 x 64 in 3 stages keeps up
+# with cuBLAS; 4 stages of it exceed shared memory; 128 x 128 tiles lose 8-25%; 4 warps with
+# warp specialisation fail to compile in triton 3.6.
+CONFIGS = [
+    (128, 256, 64, 3, 8, False, False),
+    (128, 256, 64, 3, 8, True, False),
+    (128, 256, 64, 3, 8, False, True),
+    (128, 256, 64, 3, 8, True, True),
+    (256, 128, 64, 3, 8, False, False),
+    (256, 128, 64, 3, 8, True, False),
+]
+
+
+def run_shape(m: int, n: int, k: int) -> list[dict]:
+    from triton.testing import do_bench
+
+    shape = f"{m}:{n}:{k}"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
+    z = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * m * n * k
+    expected_z = x @ w.t()
+    reference = torch.logsumexp(expected_z.float(), dim=1)
+    results = []
+    for stats in (False, True):
+        def cublas(stats=stats):
+            cublas_logits(x, w, z, stats)
+
+        base = do_bench(cublas, warmup=10, rep=200, return_mode="median")
+        name = "cuBLAS" + (" + statistics pass" if stats else "")
+        print(f"{shape} {name}: {base:.3f} ms ({flops / base / 1e9:.0f} TFLOP/s)", flush=True)
+        results.append({"shape": shape, "kernel": name, "ms": base,
+                        "tflops": flops / base / 1e9, "vs_cublas": 1.0, "z_err": 0.0,
+                        "lse_err": ""})
+        for config in CONFIGS:
+            def ours(config=config, stats=stats):
+                return triton_logits(x, w, z, config, stats)
+
+            try:
+                lse = ours()
+                z_err = (z.float() - expected_z.float()).abs().max().item()
+                lse_err = (lse - reference).abs().max().item() if stats else float("nan")
+                ms = do_bench(ours, warmup=10, rep=200, return_mode="median")
+            except Exception as exc:  # noqa: BLE001  (a config this triton cannot build)
+                print(f"{shape} {config} stats={stats}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            name = f"triton {config}" + (" + statistics epilogue" if stats else "")
+            print(f"{shape} {name}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s, "
+                  f"{ms / base:.3f}x cuBLAS), z err {z_err:.1e}, lse err {lse_err:.1e}",
+                  flush=True)
+            results.append({"shape": shape, "kernel": name, "ms": ms,
+                            "tflops": flops / ms / 1e9, "vs_cublas": ms / base,
+                            "z_err": z_err, "lse_err": lse_err})
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+",
+                        default=["4096:256000:2304", "4096:128256:4096", "4096:32064:3072"])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results = []
+    for shape in args.shapes:
+        results += run_shape(*map(int, shape.split(":")))
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "gemm_epilogue.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(results[0]))
+            writer.writeheader()
+            writer.writerows(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Where the default mode's time goes, shape by shape: GEMMs, each pass over the logits, small
+kernels, launch gaps, host time. One GPU.
+
+    python scripts/profile_default.py --out OUT/profile
+
+For each shape and token count it prints and writes (``breakdown.csv``, ``kernels.json``):
+
+- ``wall``: fwd+bwd ms per step, CUDA events around back-to-back steps;
+- from a profiled window of three steps (torch.profiler): the GPU time per step of the cuBLAS
+  GEMMs, the statistics pass, the G pass and everything else, ``gaps`` (the GPU idle between
+  kernels) and that window's own wall time (clocks differ between windows: compare within one);
+- ``host``: the host's ms to enqueue one step while the GPU is held busy by a sleep kernel,
+  with ``check_targets=False`` (the target check is the step's one host read);
+- ``gemm_only_wall``: the step's three cuBLAS GEMMs alone, chunk by chunk, under the same timer
+  (the floor of any design that keeps cuBLAS's GEMMs, in the same power state);
+- the same run's cuBLAS rate of each of the step's three GEMMs at the chunk's shape, alone, and
+  the 3-GEMM floor at the logits GEMM's rate over all N tokens (as scripts/bench_lce.py reports);
+- ``host_<shape>_<N>.txt``: a cProfile of the default's host time.
+
+Variants: the default, one chunk of every token (``token_chunk_size=N``, the memory-for-speed
+end of the trade-off), and torch.compile of the plain loss (wall time and memory only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
+bench_lce = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lce"] = bench_lce
+_spec.loader.exec_module(bench_lce)
+
+from fused_lce import linear_cross_entropy  # noqa: E402
+from fused_lce.forward_grad import plan_forward_gradients  # noqa: E402
+from fused_lce.options import LCEOptions  # noqa: E402
+
+CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
+    ("statistics", ("_row_statistics_kernel",)),
+    ("G pass", ("_grad_in_place_kernel",)),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
+)
+
+
+def category(kernel_name: str) -> str:
+    for name, needles in CATEGORIES:
+        if any(n in kernel_name for n in needles):
+            return name
+    return "other"
+
+
+def step_fn(h, w, t, compiled=None, **options):
+    def step():
+        h.grad = None
+        w.grad = None
+        if compiled is not None:
+            compiled(h, w, t).backward()
+        else:
+            linear_cross_entropy(h, w, t, impl="cce", **options).backward()
+    return step
+
+
+def extra_memory_mib(step, h, w) -> float:
+    """Peak MiB of one step above its inputs and their gradients."""
+    step()  # compile / warm up
+    h.grad = None
+    w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
+    return (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
+
+
+def wall_ms(step, steps: int = 10, windows: int = 5) -> float:
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return sorted(times)[len(times) // 2]
+
+
+def host_ms(step, repeats: int = 5) -> float:
+    """Enqueue time of one step with the GPU held busy by a sleep kernel."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second at the H100's clock
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_breakdown(step, steps: int = 3) -> tuple[dict, dict, list]:
+    """(ms per step by category, per kernel, the largest idle gaps) from one profiled window:
+    category ``gaps`` is the GPU's idle time between the window's kernels, per step."""
+    step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_category: dict = defaultdict(float)
+    per_kernel: dict = defaultdict(lambda: [0.0, 0])
+    spans = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.device_time_total / 1e3 / steps
+        per_category[category(event.name)] += ms
+        per_kernel[event.name][0] += ms
+        per_kernel[event.name][1] += 1
+        spans.append((event.time_range.start, event.time_range.end, event.name))
+    spans.sort()
+    gaps, reach, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            gaps.append(((start - reach) / 1e3, before[:60], name[:60]))
+        if end >= reach:
+            reach, before = end, name
+    per_category["gaps"] = sum(g[0] for g in gaps) / steps
+    per_category["profiled wall"] = (reach - spans[0][0]) / 1e3 / steps
+    kernels = {name: {"ms_per_step": v[0], "launches_per_step": v[1] / steps}
+               for name, v in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])}
+    return dict(per_category), kernels, sorted(gaps, reverse=True)[:8]
+
+
+def gemm_only_step(h, w, chunk_rows: int):
+    """The step's three cuBLAS GEMMs as the default issues them, chunk by chunk, and nothing else:
+    the floor of any design whose GEMMs are cuBLAS's, under the same timer and power state."""
+    n_rows, vocab = h.shape[0], w.shape[0]
+    buffer = torch.empty(min(chunk_rows, n_rows), vocab, device=h.device, dtype=h.dtype)
+    d_hidden, d_weight = torch.empty_like(h), torch.empty_like(w)
+
+    def step():
+        for start in range(0, n_rows, chunk_rows):
+            x = h[start:start + chunk_rows]
+            logits = buffer[: x.shape[0]]
+            torch.mm(x, w.t(), out=logits)  # its values then stand in for G: real magnitudes
+            torch.mm(logits, w, out=d_hidden[start:start + chunk_rows])
+            if start == 0:
+                torch.mm(logits.t(), x, out=d_weight)
+            else:
+                d_weight.addmm_(logits.t(), x)
+    return step
+
+
+def host_profile(step, path: Path, steps: int = 5) -> None:
+    """cProfile of ``steps`` steps enqueued while the GPU sleeps: where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    path.write_text(text.getvalue())
+
+
+def gemm_rates(rows: int, vocab: int, hidden: int, dtype) -> dict:
+    """TFLOP/s of the step's three GEMMs at a chunk of ``rows`` tokens, each alone."""
+    from triton.testing import do_bench
+
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=dtype)
+    g = torch.randn(rows, vocab, device="cuda", dtype=dtype)
+    d_hidden = torch.empty(rows, hidden, device="cuda", dtype=dtype)
+    d_weight = torch.empty(vocab, hidden, device="cuda", dtype=dtype)
+    flops = 2 * rows * vocab * hidden
+    timed = {
+        "logits X@W.T": lambda: torch.mm(x, w.t(), out=g),
+        "d_hidden G@W": lambda: torch.mm(g, w, out=d_hidden),
+        "d_weight G.T@X": lambda: torch.mm(g.t(), x, out=d_weight),
+        "d_weight += G.T@X": lambda: d_weight.addmm_(g.t(), x),
+    }
+    return {name: flops / do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e9
+            for name, fn in timed.items()}
+
+
+def run_case(model: str, n_tokens: int, regime: str,
+             out: Path | None) -> tuple[list[dict], dict]:
+    cfg = bench_lce.load_model_config(model)
+    case = bench_lce.Case(model, n_tokens, cfg.vocab_size, cfg.hidden_size, regime)
+    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    ceiling = bench_lce.gemm_ceiling(case, torch.bfloat16, 100)
+    floor_ms = 3 * 2 * n_tokens * cfg.vocab_size * cfg.hidden_size / ceiling / 1e9
+    rows, kernels = [], {}
+    default_rows = plan_forward_gradients(LCEOptions(), n_tokens, cfg.vocab_size,
+                                          cfg.hidden_size, 2, True).chunk_rows
+    variants = {"default": ({}, default_rows),
+                "one chunk (token_chunk_size=N)": ({"token_chunk_size": n_tokens}, n_tokens)}
+    for variant, (options, chunk_rows) in variants.items():
+        step = step_fn(h, w, target, **options)
+        extra_mib = extra_memory_mib(step, h, w)
+        wall = wall_ms(step)
+        per_category, per_kernel, largest_gaps = kernel_breakdown(step)
+        unchecked = step_fn(h, w, target, check_targets=False, **options)
+        if out is not None and variant == "default":
+            host_profile(unchecked, out / f"host_{model}_{n_tokens}.txt")
+        gemms_only = wall_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
+        row = {"shape": model, "tokens": n_tokens, "regime": regime, "variant": variant,
+               "chunk_rows": chunk_rows, "wall_ms": wall, "gemm_only_wall_ms": gemms_only,
+               "host_ms": host_ms(unchecked), "extra_mib": extra_mib,
+               "floor_ms": floor_ms, "cublas_tflops": ceiling}
+        for name, _ in CATEGORIES:
+            row[f"{name}_ms"] = per_category.get(name, 0.0)
+        row["other_ms"] = per_category.get("other", 0.0)
+        row["gaps_ms"] = per_category["gaps"]
+        row["profiled_wall_ms"] = per_category["profiled wall"]
+        kernels[f"{model} N={n_tokens} {variant}: largest gaps (ms, after, before)"] = largest_gaps
+        rows.append(row)
+        kernels[f"{model} N={n_tokens} {variant}"] = per_kernel
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items()), flush=True)
+    compiled = step_fn(h, w, target, compiled=torch.compile(bench_lce.torch_loss))
+    row = dict.fromkeys(rows[0], float("nan"))
+    row.update(shape=model, tokens=n_tokens, regime=regime, variant="torch.compile",
+               chunk_rows=n_tokens, extra_mib=extra_memory_mib(compiled, h, w),
+               wall_ms=wall_ms(compiled))
+    rows.append(row)
+    print(f"{model} N={n_tokens} torch.compile: wall_ms={row['wall_ms']:.2f} "
+          f"extra_mib={row['extra_mib']:.1f}", flush=True)
+    for rows_ in sorted({default_rows, n_tokens}):
+        rates = gemm_rates(rows_, cfg.vocab_size, cfg.hidden_size, torch.bfloat16)
+        kernels[f"{model} gemm TFLOP/s at {rows_} rows"] = rates
+        print(f"# {model} cuBLAS TFLOP/s at {rows_} rows: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()), flush=True)
+    del hidden, weight, target, h, w
+    torch.cuda.empty_cache()
+    return rows, kernels
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+",
+                        default=["gemma2_2b:8192", "llama3_8b:8192", "phi3_5_mini:8192",
+                                 "llama3_8b:4096"], help="model:tokens")
+    parser.add_argument("--regime", default="trained", choices=["uniform", "trained"])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    rows, kernels = [], {}
+    for spec in args.cases:
+        model, tokens = spec.split(":")
+        case_rows, case_kernels = run_case(model, int(tokens), args.regime, args.out)
+        rows += case_rows
+        kernels.update(case_kernels)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "breakdown.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        (args.out / "kernels.json").write_text(json.dumps(kernels, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
