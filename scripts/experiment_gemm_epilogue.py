@@ -10,6 +10,11 @@ shapes (4096 tokens): cuBLAS's logits GEMM alone and followed by the statistics 
 Triton GEMM alone and with the statistics epilogue (plus the merge of its per-tile partials),
 over a few tile shapes, pipeline depths and Triton's warp specialisation; and checks the logits
 and the lse against torch.
+
+``--steps ROUNDS`` times the default's whole step instead (N = two chunks: logits and their
+statistics, G in place, both gradient GEMMs) with either logits GEMM, back to back as a training
+step runs, alternately: the per-chunk timings above move between rounds by more than the
+difference they measure.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fused_lce.kernels.logit_rows import row_statistics
+from fused_lce.kernels.logit_rows import grad_in_place, row_statistics
+from fused_lce.options import LCEOptions
+from fused_lce.terms import grad_coefficients
 
 
 @triton.jit
@@ -109,6 +116,75 @@ CONFIGS = [
     (256, 128, 64, 3, 8, False, False),
     (256, 128, 64, 3, 8, True, False),
 ]
+# The whole-step proxies: the two tile loops that won the per-chunk rounds.
+STEP_CONFIGS = [(128, 256, 64, 3, 8, False, False), (128, 256, 64, 3, 8, True, False)]
+
+
+def step_of(x, w, target, chunk_rows: int, config):
+    """The default's step, chunk by chunk: logits and their statistics (cuBLAS and the pass, or
+    the Triton GEMM with ``config`` and its epilogue), G in place, the two gradient GEMMs."""
+    n_rows = x.shape[0]
+    buffer = torch.empty(chunk_rows, w.shape[0], device=x.device, dtype=x.dtype)
+    d_hidden, d_weight = torch.empty_like(x), torch.empty_like(w)
+    g = torch.full((n_rows,), 1.0 / n_rows, device=x.device)
+    opts = LCEOptions()
+
+    def step():
+        for start in range(0, n_rows, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = buffer[: x[rows].shape[0]]
+            if config is None:
+                lse = cublas_logits(x[rows], w, logits, True)
+            else:
+                lse = triton_logits(x[rows], w, logits, config, True)
+            chunk_target = target[rows]
+            nll = lse - logits.gather(1, chunk_target[:, None])[:, 0].float()
+            coefs = grad_coefficients(g[rows], lse, nll, None, w.shape[0], opts)
+            grad_in_place(logits, None, chunk_target, lse, coefs, None)
+            torch.mm(logits, w, out=d_hidden[rows])
+            if start == 0:
+                torch.mm(logits.t(), x[rows], out=d_weight)
+            else:
+                d_weight.addmm_(logits.t(), x[rows])
+    return step
+
+
+def looped_ms(step, steps: int = 10, windows: int = 5) -> float:
+    """Median window of back-to-back steps (CUDA events), as profile_default.py times."""
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return sorted(times)[len(times) // 2]
+
+
+def run_steps(n_tokens: int, n: int, k: int, rounds: int) -> list[dict]:
+    """Whole-step proxies, cuBLAS and Triton alternately, ``rounds`` times each."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n_tokens, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
+    target = torch.randint(0, n, (n_tokens,), device="cuda", generator=gen)
+    chunk_rows = n_tokens // 2
+    variants = {"cuBLAS + statistics pass": None}
+    variants.update({f"triton {config} + statistics epilogue": config
+                     for config in STEP_CONFIGS})
+    steps = {name: step_of(x, w, target, chunk_rows, config) for name, config in variants.items()}
+    results = []
+    for round_ in range(1, rounds + 1):
+        for name, step in steps.items():
+            ms = looped_ms(step)
+            print(f"step N={n_tokens} V={n} D={k} round {round_}: {name}: {ms:.3f} ms",
+                  flush=True)
+            results.append({"shape": f"step {n_tokens}:{n}:{k}", "kernel": name, "ms": ms,
+                             "round": round_})
+    return results
 
 
 def run_shape(m: int, n: int, k: int) -> list[dict]:
@@ -159,15 +235,20 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+",
                         default=["4096:256000:2304", "4096:128256:4096", "4096:32064:3072"])
+    parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
+                        help="time whole-step proxies at N = 2 x each shape's rows instead, "
+                             "ROUNDS rounds of each variant alternately")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     results = []
     for shape in args.shapes:
-        results += run_shape(*map(int, shape.split(":")))
+        m, n, k = map(int, shape.split(":"))
+        results += run_steps(2 * m, n, k, args.steps) if args.steps else run_shape(m, n, k)
         torch.cuda.empty_cache()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "gemm_epilogue.csv", "w", newline="") as f:
+        name = "steps.csv" if args.steps else "gemm_epilogue.csv"
+        with open(args.out / name, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(results[0]))
             writer.writeheader()
             writer.writerows(results)
