@@ -77,6 +77,7 @@ def mean_strategies() -> dict:
     return {
         "torch.compile": compiled,
         "in_forward (default)": _cce(),
+        "in_forward, check_targets=False": _cce(check_targets=False),
         "auto, 512 MiB": _cce(scratch_mb=512),
         "auto, 512 MiB, bf16 weight-grad sum": _cce(scratch_mb=512, fp32_weight_grad=False),
         "gemm, 512 MiB": _cce(scratch_mb=512, backward="gemm"),
@@ -120,7 +121,7 @@ def weighted_strategies(n_tokens: int) -> dict:
 
 
 def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int,
-        workloads: tuple[str, ...] = ("mean", "weighted")) -> list[dict]:
+        workloads: tuple[str, ...] = ("mean", "weighted"), only: str | None = None) -> list[dict]:
     rows = []
     for shape in shapes:
         model, tp = SHAPES[shape]
@@ -137,6 +138,8 @@ def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int,
         for workload in workloads:
             table = tables[workload]()
             for name, fn in table.items():
+                if only is not None and not any(part in name for part in only.split("|")):
+                    continue
                 try:
                     result = bench_lce.measure(fn, hidden, weight, target, rep_ms)
                 except Exception as exc:  # noqa: BLE001  (out of memory, a refused budget)
@@ -163,6 +166,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--workloads", nargs="+", default=["mean", "weighted"],
                         choices=["mean", "weighted"])
+    parser.add_argument("--only", default=None, metavar="A|B",
+                        help="time only the strategies whose name contains one of these")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -170,7 +175,8 @@ def main(argv=None) -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     # The default's recompute warning is the point of the weighted workload, not news.
     warnings.filterwarnings("ignore", message=".*upstream gradient is not a multiple.*")
-    rows = run(args.shapes, args.tokens, args.regime, args.rep_ms, tuple(args.workloads))
+    rows = run(args.shapes, args.tokens, args.regime, args.rep_ms, tuple(args.workloads),
+               args.only)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "results.csv", "w", newline="") as f:

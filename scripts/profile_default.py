@@ -27,6 +27,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -208,17 +209,22 @@ def gemm_rates(rows: int, vocab: int, hidden: int, dtype) -> dict:
             for name, fn in timed.items()}
 
 
-def run_case(model: str, n_tokens: int, regime: str,
-             out: Path | None) -> tuple[list[dict], dict]:
+def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
+             tp: int = 1) -> tuple[list[dict], dict]:
+    """One shape; ``tp`` > 1 times one tensor-parallel rank's work (its V/tp vocabulary shard,
+    every token), as scripts/bench_strategies.py does."""
     cfg = bench_lce.load_model_config(model)
-    case = bench_lce.Case(model, n_tokens, cfg.vocab_size, cfg.hidden_size, regime)
+    vocab = math.ceil(cfg.vocab_size / tp)
+    label = model if tp == 1 else f"{model}_tp{tp}"
+    case = bench_lce.Case(model, n_tokens, vocab, cfg.hidden_size, regime)
     hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    target = target % vocab  # a shard's targets fall in its shard (the rest is the same work)
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
     ceiling = bench_lce.gemm_ceiling(case, torch.bfloat16, 100)
-    floor_ms = 3 * 2 * n_tokens * cfg.vocab_size * cfg.hidden_size / ceiling / 1e9
+    floor_ms = 3 * 2 * n_tokens * vocab * cfg.hidden_size / ceiling / 1e9
     rows, kernels = [], {}
-    default_rows = plan_forward_gradients(LCEOptions(), n_tokens, cfg.vocab_size,
+    default_rows = plan_forward_gradients(LCEOptions(), n_tokens, vocab,
                                           cfg.hidden_size, 2, True).chunk_rows
     variants = {"default": ({}, default_rows),
                 "one chunk (token_chunk_size=N)": ({"token_chunk_size": n_tokens}, n_tokens)}
@@ -229,9 +235,9 @@ def run_case(model: str, n_tokens: int, regime: str,
         per_category, per_kernel, largest_gaps = kernel_breakdown(step)
         unchecked = step_fn(h, w, target, check_targets=False, **options)
         if out is not None and variant == "default":
-            host_profile(unchecked, out / f"host_{model}_{n_tokens}.txt")
+            host_profile(unchecked, out / f"host_{label}_{n_tokens}.txt")
         gemms_only = wall_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
-        row = {"shape": model, "tokens": n_tokens, "regime": regime, "variant": variant,
+        row = {"shape": label, "tokens": n_tokens, "regime": regime, "variant": variant,
                "chunk_rows": chunk_rows, "wall_ms": wall, "gemm_only_wall_ms": gemms_only,
                "host_ms": host_ms(unchecked), "extra_mib": extra_mib,
                "floor_ms": floor_ms, "cublas_tflops": ceiling}
@@ -240,23 +246,23 @@ def run_case(model: str, n_tokens: int, regime: str,
         row["other_ms"] = per_category.get("other", 0.0)
         row["gaps_ms"] = per_category["gaps"]
         row["profiled_wall_ms"] = per_category["profiled wall"]
-        kernels[f"{model} N={n_tokens} {variant}: largest gaps (ms, after, before)"] = largest_gaps
+        kernels[f"{label} N={n_tokens} {variant}: largest gaps (ms, after, before)"] = largest_gaps
         rows.append(row)
-        kernels[f"{model} N={n_tokens} {variant}"] = per_kernel
+        kernels[f"{label} N={n_tokens} {variant}"] = per_kernel
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
     compiled = step_fn(h, w, target, compiled=torch.compile(bench_lce.torch_loss))
     row = dict.fromkeys(rows[0], float("nan"))
-    row.update(shape=model, tokens=n_tokens, regime=regime, variant="torch.compile",
+    row.update(shape=label, tokens=n_tokens, regime=regime, variant="torch.compile",
                chunk_rows=n_tokens, extra_mib=extra_memory_mib(compiled, h, w),
                wall_ms=wall_ms(compiled))
     rows.append(row)
-    print(f"{model} N={n_tokens} torch.compile: wall_ms={row['wall_ms']:.2f} "
+    print(f"{label} N={n_tokens} torch.compile: wall_ms={row['wall_ms']:.2f} "
           f"extra_mib={row['extra_mib']:.1f}", flush=True)
     for rows_ in sorted({default_rows, n_tokens}):
-        rates = gemm_rates(rows_, cfg.vocab_size, cfg.hidden_size, torch.bfloat16)
-        kernels[f"{model} gemm TFLOP/s at {rows_} rows"] = rates
-        print(f"# {model} cuBLAS TFLOP/s at {rows_} rows: "
+        rates = gemm_rates(rows_, vocab, cfg.hidden_size, torch.bfloat16)
+        kernels[f"{label} gemm TFLOP/s at {rows_} rows"] = rates
+        print(f"# {label} cuBLAS TFLOP/s at {rows_} rows: "
               + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()), flush=True)
     del hidden, weight, target, h, w
     torch.cuda.empty_cache()
@@ -267,7 +273,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+",
                         default=["gemma2_2b:8192", "llama3_8b:8192", "phi3_5_mini:8192",
-                                 "llama3_8b:4096"], help="model:tokens")
+                                 "llama3_8b:4096"], help="model:tokens[:tensor-parallel ranks]")
     parser.add_argument("--regime", default="trained", choices=["uniform", "trained"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -278,8 +284,9 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
     rows, kernels = [], {}
     for spec in args.cases:
-        model, tokens = spec.split(":")
-        case_rows, case_kernels = run_case(model, int(tokens), args.regime, args.out)
+        model, tokens, *tp = spec.split(":")
+        case_rows, case_kernels = run_case(model, int(tokens), args.regime, args.out,
+                                           int(tp[0]) if tp else 1)
         rows += case_rows
         kernels.update(case_kernels)
     if args.out is not None:
