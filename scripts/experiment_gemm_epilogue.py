@@ -15,6 +15,9 @@ and the lse against torch.
 statistics, G in place, both gradient GEMMs) with either logits GEMM, back to back as a training
 step runs, alternately: the per-chunk timings above move between rounds by more than the
 difference they measure.
+
+``--lean ROUNDS`` times the lean mode's forward (``lse_forward``, which stores no logits) against
+this GEMM with its statistics epilogue and no store, and cuBLAS's GEMM, at N = two chunks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from fused_lce.terms import grad_coefficients
 def _gemm_kernel(x_desc, w_desc, z_desc, part_max_ptr, part_sum_ptr, M, N, K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, STATS: tl.constexpr,
-                 WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr):
+                 WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+                 STORE: tl.constexpr = True):
     n_pid_m = tl.cdiv(M, BLOCK_M)
     n_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -57,7 +61,8 @@ def _gemm_kernel(x_desc, w_desc, z_desc, part_max_ptr, part_sum_ptr, M, N, K,
             b = w_desc.load([col0, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
         z = acc.to(z_desc.dtype)
-        z_desc.store([row0, col0], z)
+        if STORE:
+            z_desc.store([row0, col0], z)
         if STATS:
             cols = col0 + tl.arange(0, BLOCK_N)
             logits = tl.where(cols[None, :] < N, z.to(tl.float32), float("-inf"))
@@ -70,7 +75,7 @@ def _gemm_kernel(x_desc, w_desc, z_desc, part_max_ptr, part_sum_ptr, M, N, K,
             tl.store(part_sum_ptr + pid_n * M + rows, tile_sum, mask=rows < M)
 
 
-def triton_logits(x, w, z, config, stats: bool):
+def triton_logits(x, w, z, config, stats: bool, store: bool = True):
     block_m, block_n, block_k, stages, warps, ws, flatten = config
     m, k = x.shape
     n = w.shape[0]
@@ -87,7 +92,7 @@ def triton_logits(x, w, z, config, stats: bool):
     grid = (min(sms, triton.cdiv(m, block_m) * tiles_n),)
     _gemm_kernel[grid](x_desc, w_desc, z_desc, part_max, part_sum, m, n, k,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                       NUM_SMS=sms, STATS=stats, WARP_SPECIALIZE=ws, FLATTEN=flatten,
+                       NUM_SMS=sms, STATS=stats, WARP_SPECIALIZE=ws, FLATTEN=flatten, STORE=store,
                        num_stages=stages, num_warps=warps)
     if not stats:
         return None
@@ -187,6 +192,44 @@ def run_steps(n_tokens: int, n: int, k: int, rounds: int) -> list[dict]:
     return results
 
 
+def run_lean(m: int, n: int, k: int, rounds: int) -> list[dict]:
+    """The lean mode's forward (``lse_forward``: the logits GEMM with an online softmax, nothing
+    stored) against this GEMM with the statistics epilogue and no store, and cuBLAS's GEMM."""
+    from triton.testing import do_bench
+
+    from fused_lce.kernels.lse_forward import lse_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
+    z = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    order = torch.arange(m, device="cuda", dtype=torch.int32)
+    n_valid = torch.tensor(m, device="cuda", dtype=torch.int32)
+    flops = 2 * m * n * k
+    reference = torch.logsumexp((x @ w.t()).float(), dim=1)
+    timed = {
+        "cuBLAS GEMM (logits stored)": lambda: torch.mm(x, w.t(), out=z),
+        "lse_forward (the lean mode's forward)": lambda: lse_forward(x, w, None, order, n_valid),
+    }
+    for config in STEP_CONFIGS:
+        timed[f"triton {config} + statistics epilogue, no store"] = (
+            lambda config=config: triton_logits(x, w, z, config, True, store=False))
+    errors = {name: (fn().lse - reference).abs().max().item()
+              for name, fn in timed.items() if name.startswith("lse_forward")}
+    errors.update({name: (fn() - reference).abs().max().item()
+                   for name, fn in timed.items() if name.startswith("triton")})
+    results = []
+    for round_ in range(1, rounds + 1):
+        for name, fn in timed.items():
+            ms = do_bench(fn, warmup=10, rep=200, return_mode="median")
+            err = errors.get(name, float("nan"))
+            print(f"lean {m}:{n}:{k} round {round_}: {name}: {ms:.3f} ms "
+                  f"({flops / ms / 1e9:.0f} TFLOP/s), lse err {err:.1e}", flush=True)
+            results.append({"shape": f"lean {m}:{n}:{k}", "kernel": name, "ms": ms,
+                            "round": round_, "lse_err": err})
+    return results
+
+
 def run_shape(m: int, n: int, k: int) -> list[dict]:
     from triton.testing import do_bench
 
@@ -238,16 +281,24 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="time whole-step proxies at N = 2 x each shape's rows instead, "
                              "ROUNDS rounds of each variant alternately")
+    parser.add_argument("--lean", type=int, default=0, metavar="ROUNDS",
+                        help="time the lean mode's forward against this GEMM's statistics "
+                             "epilogue without the store, at N = 2 x each shape's rows")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     results = []
     for shape in args.shapes:
         m, n, k = map(int, shape.split(":"))
-        results += run_steps(2 * m, n, k, args.steps) if args.steps else run_shape(m, n, k)
+        if args.lean:
+            results += run_lean(2 * m, n, k, args.lean)
+        elif args.steps:
+            results += run_steps(2 * m, n, k, args.steps)
+        else:
+            results += run_shape(m, n, k)
         torch.cuda.empty_cache()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "steps.csv" if args.steps else "gemm_epilogue.csv"
+        name = "lean.csv" if args.lean else "steps.csv" if args.steps else "gemm_epilogue.csv"
         with open(args.out / name, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(results[0]))
             writer.writeheader()
