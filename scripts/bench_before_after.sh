@@ -17,8 +17,11 @@ providers=${PROVIDERS:-cce cce-lean cce-kept}
 for round in $(seq 1 "${ROUNDS:-2}"); do
     for tree in base new; do
         dir=$([[ $tree == base ]] && echo "$base" || echo .)
-        # The base tree's bench puts its own root first on sys.path, so it imports its own op.
-        (cd "$dir" && timeout "${LIMIT:-240}" python3 scripts/bench_lce.py --models $models \
+        # The base tree's root goes first on the import path, so its bench imports its own op
+        # rather than the installed (new) one.
+        first=$([[ $tree == base ]] && (cd "$base" && pwd) || echo "")
+        (cd "$dir" && PYTHONPATH="$first${first:+:}${PYTHONPATH:-}" \
+            timeout "${LIMIT:-240}" python3 scripts/bench_lce.py --models $models \
             --tokens "${TOKENS:-8192}" --regimes ${REGIMES:-trained} --providers $providers \
             --rep-ms "${REP_MS:-100}") > "$results/${tree}_${round}.log" 2>&1
         echo "=== $tree round $round: exit $?"

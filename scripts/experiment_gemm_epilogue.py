@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -207,9 +208,28 @@ def run_lean(m: int, n: int, k: int, rounds: int) -> list[dict]:
     n_valid = torch.tensor(m, device="cuda", dtype=torch.int32)
     flops = 2 * m * n * k
     reference = torch.logsumexp((x @ w.t()).float(), dim=1)
+    import fused_lce.kernels.lse_forward as lse_module
+
+    target = torch.randint(0, n, (m,), device="cuda", generator=gen)
+    tuned = lse_module._CONFIGS["hopper-tma"]
+
+    def lse_with(stages: int, with_target: bool):
+        def call():
+            lse_module._CONFIGS["hopper-tma"] = dataclasses.replace(tuned, num_stages=stages)
+            try:
+                return lse_forward(x, w, None, order, n_valid,
+                                   target=target if with_target else None)
+            finally:
+                lse_module._CONFIGS["hopper-tma"] = tuned
+        return call
+
     timed = {
         "cuBLAS GEMM (logits stored)": lambda: torch.mm(x, w.t(), out=z),
         "lse_forward (the lean mode's forward)": lambda: lse_forward(x, w, None, order, n_valid),
+        f"lse_forward, target, {tuned.num_stages} stages (as the lean mode calls it)":
+            lse_with(tuned.num_stages, True),
+        "lse_forward, target, 3 stages": lse_with(3, True),
+        "lse_forward, no target, 3 stages": lse_with(3, False),
     }
     for config in STEP_CONFIGS:
         timed[f"triton {config} + statistics epilogue, no store"] = (
