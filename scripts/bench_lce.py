@@ -242,6 +242,25 @@ def looped_median(fn, rep_ms: int, windows: int = 5) -> float:
     return sorted(means)[len(means) // 2]
 
 
+def steps_median_ms(step, steps: int = 10, windows: int = 5) -> float:
+    """Median over ``windows`` of the mean time of ``steps`` back-to-back calls (CUDA events),
+    after one warm-up call: ``looped_median`` with a fixed window, for scripts that compare
+    whole training-like steps (scripts/profile_default.py, scripts/experiment_gemm_epilogue.py).
+    """
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return sorted(times)[len(times) // 2]
+
+
 def measure(fn, hidden, weight, target, rep_ms: int) -> dict:
     from triton.testing import do_bench
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -33,9 +34,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fused_lce.kernels.logit_rows import grad_in_place, row_statistics
-from fused_lce.options import LCEOptions
-from fused_lce.terms import grad_coefficients
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
+bench_lce = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lce"] = bench_lce
+_spec.loader.exec_module(bench_lce)
+
+from fused_lce.kernels.logit_rows import grad_in_place, row_statistics  # noqa: E402
+from fused_lce.options import LCEOptions  # noqa: E402
+from fused_lce.terms import grad_coefficients  # noqa: E402
 
 
 @triton.jit
@@ -155,22 +162,6 @@ def step_of(x, w, target, chunk_rows: int, config):
     return step
 
 
-def looped_ms(step, steps: int = 10, windows: int = 5) -> float:
-    """Median window of back-to-back steps (CUDA events), as profile_default.py times."""
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return sorted(times)[len(times) // 2]
-
-
 def run_steps(n_tokens: int, n: int, k: int, rounds: int) -> list[dict]:
     """Whole-step proxies, cuBLAS and Triton alternately, ``rounds`` times each."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -185,7 +176,7 @@ def run_steps(n_tokens: int, n: int, k: int, rounds: int) -> list[dict]:
     results = []
     for round_ in range(1, rounds + 1):
         for name, step in steps.items():
-            ms = looped_ms(step)
+            ms = bench_lce.steps_median_ms(step)
             print(f"step N={n_tokens} V={n} D={k} round {round_}: {name}: {ms:.3f} ms",
                   flush=True)
             results.append({"shape": f"step {n_tokens}:{n}:{k}", "kernel": name, "ms": ms,

@@ -85,21 +85,6 @@ def extra_memory_mib(step, h, w) -> float:
     return (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**20
 
 
-def wall_ms(step, steps: int = 10, windows: int = 5) -> float:
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return sorted(times)[len(times) // 2]
-
-
 def host_ms(step, repeats: int = 5) -> float:
     """Enqueue time of one step with the GPU held busy by a sleep kernel."""
     times = []
@@ -231,12 +216,12 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
     for variant, (options, chunk_rows) in variants.items():
         step = step_fn(h, w, target, **options)
         extra_mib = extra_memory_mib(step, h, w)
-        wall = wall_ms(step)
+        wall = bench_lce.steps_median_ms(step)
         per_category, per_kernel, largest_gaps = kernel_breakdown(step)
         unchecked = step_fn(h, w, target, check_targets=False, **options)
         if out is not None and variant == "default":
             host_profile(unchecked, out / f"host_{label}_{n_tokens}.txt")
-        gemms_only = wall_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
+        gemms_only = bench_lce.steps_median_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
         row = {"shape": label, "tokens": n_tokens, "regime": regime, "variant": variant,
                "chunk_rows": chunk_rows, "wall_ms": wall, "gemm_only_wall_ms": gemms_only,
                "host_ms": host_ms(unchecked), "extra_mib": extra_mib,
@@ -255,7 +240,7 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
     row = dict.fromkeys(rows[0], float("nan"))
     row.update(shape=label, tokens=n_tokens, regime=regime, variant="torch.compile",
                chunk_rows=n_tokens, extra_mib=extra_memory_mib(compiled, h, w),
-               wall_ms=wall_ms(compiled))
+               wall_ms=bench_lce.steps_median_ms(compiled))
     rows.append(row)
     print(f"{label} N={n_tokens} torch.compile: wall_ms={row['wall_ms']:.2f} "
           f"extra_mib={row['extra_mib']:.1f}", flush=True)
