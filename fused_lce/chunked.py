@@ -261,7 +261,8 @@ class ChunkedShard:
 
     @staticmethod
     def plan_forward_gradients(opts: LCEOptions, n_rows: int, weight_rows: int, d_model: int,
-                               elem_bytes: int, wants_weight_grad: bool) -> ForwardGradPlan | None:
+                               elem_bytes: int, wants_weight_grad: bool,
+                               dtype: torch.dtype | None = None) -> ForwardGradPlan | None:
         """Token chunks walk with gradients in the forward (``chunk_by="tokens"``), summing the
         weight gradient in fp32; vocabulary chunks take statistics now, gradients later."""
         if opts.chunk_by != "tokens" or n_rows == 0:
@@ -344,7 +345,10 @@ class ChunkedGradientChunks:
         self.d_bias = (weight.new_zeros(weight.shape[0], dtype=compute)
                        if want_bias and bias is not None else None)
 
-    def compute_logits(self, rows: slice) -> None:
+    def target_logits(self, rows: slice) -> torch.Tensor:
+        raise NotImplementedError("the chunked walk stores logits, not exponentials")
+
+    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
         inputs = self.inputs
         self.logits = self.scratch.logits(inputs.hidden[rows], inputs.weight, inputs.bias,
                                           inputs.opts.softcap)

@@ -145,10 +145,16 @@ class ShardStatistics(NamedTuple):
 
 class GradientChunks(Protocol):
     """One call's walk over token chunks with gradients in the forward, in this order per chunk:
-    ``compute_logits``, ``statistics``, then (with the global lse) ``gradients``; ``finish`` once
-    at the end. It keeps the chunk's logits between the three calls."""
+    (with ``ForwardGradPlan.exponentials``) ``target_logits``, ``compute_logits``,
+    ``statistics``, then (with the global lse) ``gradients``; ``finish`` once at the end. It
+    keeps the chunk's logits between the calls."""
 
-    def compute_logits(self, rows: slice) -> None: ...
+    def target_logits(self, rows: slice) -> torch.Tensor:
+        """The rows' target logits, 0 where another shard owns the target (summed across shards
+        into ``compute_logits``' offsets)."""
+        ...
+
+    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None: ...
 
     def statistics(self, rows: slice) -> ShardStatistics: ...
 
@@ -165,8 +171,8 @@ class ShardStrategy(Protocol):
     it, and the engine calls nothing else."""
 
     def plan_forward_gradients(self, opts: LCEOptions, n_rows: int, weight_rows: int,
-                               d_model: int, elem_bytes: int,
-                               wants_weight_grad: bool) -> ForwardGradPlan | None:
+                               d_model: int, elem_bytes: int, wants_weight_grad: bool,
+                               dtype: torch.dtype | None = None) -> ForwardGradPlan | None:
         """The token walk's plan, or None for statistics now and gradients in the backward."""
         ...
 
@@ -208,7 +214,8 @@ class EmptyShard:
     in every collective like the others, following the plan of the group's strategy."""
 
     @staticmethod
-    def plan_forward_gradients(opts, n_rows, weight_rows, d_model, elem_bytes, wants_weight_grad):
+    def plan_forward_gradients(opts, n_rows, weight_rows, d_model, elem_bytes, wants_weight_grad,
+                               dtype=None):
         return None  # never asked: the engine plans with the group's strategy (ShardCall)
 
     @staticmethod
@@ -243,12 +250,17 @@ class EmptyGradientChunks:
     def __init__(self, inputs: ShardInputs, needs, d_hidden_dtype):
         self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
 
-    def compute_logits(self, rows: slice) -> None:
+    def target_logits(self, rows: slice) -> torch.Tensor:
+        return torch.zeros(self._rows(rows), dtype=torch.float32, device=self.inputs.hidden.device)
+
+    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
         pass
 
     def statistics(self, rows: slice) -> ShardStatistics:
-        n_rows = len(range(*rows.indices(self.inputs.hidden.shape[0])))
-        return _empty_statistics(self.inputs, n_rows)
+        return _empty_statistics(self.inputs, self._rows(rows))
+
+    def _rows(self, rows: slice) -> int:
+        return len(range(*rows.indices(self.inputs.hidden.shape[0])))
 
     def gradients(self, rows: slice, lse, coefs) -> None:
         pass
@@ -441,7 +453,7 @@ def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan 
     wants_weight_grad = needs[1] or not any(needs)
     return call.strategy.plan_forward_gradients(
         call.opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.element_size(),
-        wants_weight_grad,
+        wants_weight_grad, hidden.dtype,
     )
 
 
@@ -463,7 +475,10 @@ def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, nee
     kept = None
     for start in range(0, n_rows, plan.chunk_rows):
         rows = slice(start, min(n_rows, start + plan.chunk_rows))
-        chunks.compute_logits(rows)
+        offsets = None
+        if plan.exponentials:
+            offsets = call.reducer.all_reduce_sum_(chunks.target_logits(rows))
+        chunks.compute_logits(rows, offsets)
         # The host waits for the check while the GPU computes the first chunk's logits.
         _read_target_check(call)
         lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))

@@ -18,6 +18,11 @@ token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward
 assumption (one host sync) and, where it fails or the returned lse carries a gradient, recomputes
 the exact gradients the four-GEMM way. Never a wrong result.
 
+For bf16 inputs the chunk walk stores exponentials instead (kernels/exp_logits.py): the GEMM's
+epilogue writes exp(z - z_y) and the row statistics, so the two passes go, and the gradient GEMMs
+scale rows of their other operand and of their output. A row out of the exponentials' range (a
+loss over 55 nats, a non-finite logit) is recomputed on the device, with no host read.
+
 Memory: one chunk of logits, the stored dE (N x D, fp32 across vocab shards), the weight gradient
 (its own size) and, past two token chunks, an fp32 weight-gradient accumulator (V_local x D x 4)
 so that it is rounded once rather than once per chunk. ``plan_forward_gradients`` sizes it.
@@ -50,10 +55,15 @@ TILE_ROWS = 256
 @dataclass(frozen=True)
 class ForwardGradPlan:
     """How the forward walks the tokens: ``chunk_rows`` at a time, the weight gradient summed in
-    fp32 (``fp32_weight_accumulator``) or in the weight's dtype."""
+    fp32 (``fp32_weight_accumulator``) or in the weight's dtype, and with ``exponentials`` the
+    chunks' logits stored as exponentials offset by the target logits, which every shard needs
+    before the chunk's GEMM (kernels/exp_logits.py): across shards, one more all-reduce a chunk,
+    of one fp32 per token.
+    """
 
     chunk_rows: int
     fp32_weight_accumulator: bool
+    exponentials: bool = False
 
 
 def plan_forward_gradients(
@@ -63,6 +73,7 @@ def plan_forward_gradients(
     d_model: int,
     elem_bytes: int,
     wants_weight_grad: bool,
+    dtype: torch.dtype | None = None,
 ) -> ForwardGradPlan | None:
     """The plan, or None where the recompute backward must run instead.
 
@@ -97,7 +108,15 @@ def plan_forward_gradients(
                 )
             return None
     accumulate = accumulates and _chunks(n_rows, rows) > MAX_CHUNKS_WITHOUT_FP32_ACCUMULATOR
-    return ForwardGradPlan(chunk_rows=rows, fp32_weight_accumulator=accumulate)
+    return ForwardGradPlan(chunk_rows=rows, fp32_weight_accumulator=accumulate,
+                           exponentials=exponentials_apply(opts, dtype))
+
+
+def exponentials_apply(opts: LCEOptions, dtype: torch.dtype | None) -> bool:
+    """Whether the Triton walk stores exponentials (kernels/exp_logits.py) rather than logits
+    that two passes then normalise: for bf16 inputs (fp16's range ends at exp(11)) without label
+    smoothing (its uniform term is no row scale of the exponentials)."""
+    return dtype == torch.bfloat16 and opts.label_smoothing == 0
 
 
 def _tile_rows(rows: int) -> int:

@@ -27,10 +27,19 @@ from .backward_plan import (
 from .engine import ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan, plan_forward_gradients
 from .kernels.common import INTERPRET
+from .kernels.exp_logits import (
+    add_target_rows,
+    exp_logits,
+    finish_input_grad,
+    partial_count,
+    repair_exponentials,
+    row_scales,
+    target_logits,
+)
 from .kernels.gemm_backward import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
-from .kernels.products import accumulate_mm, mm_into
+from .kernels.products import accumulate_mm, accumulate_mv, mm_into
 from .kernels.scale import scale_unless_one_
 from .kernels.tiles_backward import lce_backward
 from .options import LCEOptions
@@ -191,7 +200,125 @@ class TritonShard:
 
     @staticmethod
     def gradient_chunks(inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        if plan.exponentials:
+            return ExpGradientChunks(inputs, plan, needs, d_hidden_dtype)
         return TritonGradientChunks(inputs, plan, needs, d_hidden_dtype)
+
+
+class ExpGradientChunks:
+    """The gradient-in-forward walk on one shard for 16-bit inputs (kernels/exp_logits.py): the
+    GEMM's epilogue stores a token chunk's exponentials offset by the target logits, with their
+    row sums, and cuBLAS takes them as they are for both gradients, scaling rows of the other
+    operand and of the output. Nothing rereads the chunk to normalise it.
+
+    Its temporaries live in memory idle at the time: the per-tile sums, then the weight
+    gradient's scaled operand, in the chunk's rows of the input gradient, which only the
+    chunk's last GEMM writes. So the walk holds what the two-pass walk held: one chunk buffer.
+    """
+
+    def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+        self.inputs, self.opts = inputs, inputs.opts
+        self.bias = _unit_stride(bias)
+        device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
+        want_hidden, want_weight, want_bias = needs
+        # Evaluation (no gradient wanted) stores nothing: the epilogue's sums are the loss.
+        self.buffer = (torch.empty((plan.chunk_rows, weight.shape[0]), device=device,
+                                   dtype=hidden.dtype) if any(needs) else None)
+        self.d_hidden = (torch.empty((n_rows, d_model), device=device, dtype=d_hidden_dtype)
+                         if want_hidden else None)
+        self.d_weight = None
+        if want_weight:
+            acc_dtype = torch.float32 if plan.fp32_weight_accumulator else weight.dtype
+            self.d_weight = torch.empty(weight.shape, device=device, dtype=acc_dtype)
+        self.d_bias = (torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
+                       if want_bias and bias is not None else None)
+        self.first_chunk = True
+        self.columns = self.offsets = self.stats = None  # the current chunk's
+
+    def target_logits(self, rows: slice) -> torch.Tensor:
+        inputs, opts = self.inputs, self.opts
+        logits, self.columns = target_logits(
+            inputs.hidden[rows], inputs.weight, self.bias, inputs.target[rows],
+            vocab_start=inputs.vocab_start, ignore_index=opts.ignore_index, softcap=opts.softcap,
+            round_16bit=opts.rounds_logits(inputs.hidden.dtype),
+        )
+        return logits
+
+    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
+        """The chunk's exponentials into the buffer, against ``offsets``: every shard's sum of
+        ``target_logits``."""
+        inputs, opts = self.inputs, self.opts
+        hidden = inputs.hidden[rows]
+        self.offsets = offsets
+        out = None if self.buffer is None else self.buffer[: hidden.shape[0]]
+        partials = self._idle(rows, torch.float32,
+                              partial_count(hidden.shape[0], inputs.weight.shape[0],
+                                            hidden.device))
+        row_max, sum_exp, target_logit = exp_logits(
+            hidden, inputs.weight, self.bias, self.columns, offsets, out, softcap=opts.softcap,
+            round_16bit=opts.rounds_logits(hidden.dtype), partials=partials,
+            tma=opts.tma_allowed,
+        )
+        self.stats = ShardStatistics(row_max, sum_exp, None, target_logit)
+
+    def statistics(self, rows: slice) -> ShardStatistics:
+        """The statistics of the chunk whose exponentials ``compute_logits`` stored; ignored
+        rows get placeholders (lse and nll 0 on one shard)."""
+        return self.stats
+
+    def gradients(self, rows: slice, lse: torch.Tensor, coefs: GradCoefficients) -> None:
+        """The chunk's share of every gradient, from its exponentials and per-row scales."""
+        hidden, weight, opts = self.inputs.hidden[rows], self.inputs.weight, self.opts
+        exps = self.buffer[: hidden.shape[0]]
+        repair_exponentials(hidden, weight, self.bias, self.columns, self.offsets, lse, exps,
+                            softcap=opts.softcap, round_16bit=opts.rounds_logits(hidden.dtype),
+                            tma=opts.tma_allowed)
+        scaled = None
+        if self.d_weight is not None:
+            n_rows, d_model = hidden.shape
+            scaled = self._idle(rows, hidden.dtype, n_rows * d_model)
+            scaled = (torch.empty_like(hidden, memory_format=torch.contiguous_format)
+                      if scaled is None else scaled.view(n_rows, d_model))
+        scale, target_grad = row_scales(hidden, lse, self.offsets, coefs.p_coef,
+                                        coefs.target_grad, self.columns,
+                                        softcap=opts.softcap, out=scaled)
+        if self.d_weight is not None:
+            # Before the input gradient's GEMM, which overwrites ``scaled``'s memory.
+            if self.first_chunk:
+                mm_into(self.d_weight, exps.t(), scaled)
+            else:
+                accumulate_mm(self.d_weight, exps.t(), scaled)
+        if self.d_bias is not None:
+            accumulate_mv(self.d_bias, exps.t(), scale)
+        if self.d_weight is not None or self.d_bias is not None:
+            add_target_rows(self.d_weight, hidden, target_grad, self.columns, self.d_bias)
+        if self.d_hidden is not None:
+            grad = self.d_hidden[rows]
+            mm_into(grad, exps, weight)
+            finish_input_grad(grad, weight, scale, target_grad, self.columns)
+        self.first_chunk = False
+
+    def finish(self):
+        """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
+        self.buffer = None
+        d_weight = self.d_weight
+        if d_weight is not None and d_weight.dtype != self.inputs.weight.dtype:
+            d_weight = d_weight.to(self.inputs.weight.dtype)
+        d_bias = self.d_bias
+        if d_bias is not None:
+            d_bias = d_bias.to(self.inputs.bias.dtype)
+        return self.d_hidden, d_weight, d_bias
+
+    def _idle(self, rows: slice, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """``numel`` elements of ``dtype`` over the chunk's rows of the input gradient, or None
+        where there is no such gradient or it is too small."""
+        if self.d_hidden is None:
+            return None
+        flat = self.d_hidden[rows].reshape(-1).view(torch.uint8)
+        start = -flat.data_ptr() % 16  # the GEMMs and kernels want aligned rows
+        end = start + numel * dtype.itemsize
+        return flat[start:end].view(dtype) if end <= flat.numel() else None
 
 
 class TritonGradientChunks:
@@ -222,7 +349,10 @@ class TritonGradientChunks:
                        if want_bias and bias is not None else None)
         self.first_chunk = True
 
-    def compute_logits(self, rows: slice) -> None:
+    def target_logits(self, rows: slice) -> torch.Tensor:
+        raise NotImplementedError("this walk stores logits, not exponentials")
+
+    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
         """The chunk's logits into the buffer (reads no target)."""
         hidden, weight = self.inputs.hidden[rows], self.inputs.weight
         logits = self.buffer[: hidden.shape[0]]

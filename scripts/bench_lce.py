@@ -4,9 +4,10 @@
         --regimes uniform trained --out docs/benchmarks/run
 
 Providers: ours (``cce``: the default, gradients computed in the forward (three GEMMs) where
-the upstream gradient allows, with its target range check (one host sync); ``cce-nocheck``: the
-same without the check, as the Megatron adapter calls it; ``cce-gemm``: the recomputing GEMM
-backward, the default until 2026-11; ``cce-lean``: a 12 MiB buffer budget, which
+the upstream gradient allows, with its target range check (one host sync); ``cce-two-pass``:
+the same with the walk of 2026-11-25 (logits stored, then two passes), for before/after figures;
+``cce-nocheck``: the same without the check, as the Megatron adapter calls it; ``cce-gemm``: the
+recomputing GEMM backward, the default until 2026-11; ``cce-lean``: a 12 MiB buffer budget, which
 keeps the total under 16 MiB with cuBLAS's temporaries; ``cce-kept``: ``recompute_logits=False``,
 the forward's logits kept as 16-bit exponentials so the backward skips their recompute;
 ``cce-tiles``: the fused tile backward with the safe filter; ``cce-tiles-paper``: the same with the
@@ -158,6 +159,8 @@ def providers(names: list[str]) -> dict:
         table["apple-cce"] = lambda h, w, t: apple_lce(h, w, t)
     except ImportError:
         pass
+    if "cce-two-pass" in names:
+        table["cce-two-pass"] = two_pass_cce()
     if "megatron-fused" in names:
         fused = megatron_fused_loss()
         if fused is not None:
@@ -169,6 +172,23 @@ def providers(names: list[str]) -> dict:
     if missing:
         print(f"# not available, skipped: {', '.join(missing)}")
     return {n: table[n] for n in names if n in table}
+
+
+def two_pass_cce():
+    """Ours as it was until 2026-11-27: the walk stores the chunk's logits (cuBLAS), and two passes
+    turn them into statistics and G in place (kernels/logit_rows.py); for before/after figures
+    measured side by side. The forward's plan picks the walk, so only the call is wrapped."""
+    from fused_lce import forward_grad
+
+    def loss(h, w, t):
+        chosen = forward_grad.exponentials_apply
+        forward_grad.exponentials_apply = lambda opts, dtype: False
+        try:
+            return linear_cross_entropy(h, w, t, impl="cce")
+        finally:
+            forward_grad.exponentials_apply = chosen
+
+    return loss
 
 
 def custom_cce(name: str):

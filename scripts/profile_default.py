@@ -17,8 +17,10 @@ For each shape and token count it prints and writes (``breakdown.csv``, ``kernel
   the 3-GEMM floor at the logits GEMM's rate over all N tokens (as scripts/bench_lce.py reports);
 - ``host_<shape>_<N>.txt``: a cProfile of the default's host time.
 
-Variants: the default, one chunk of every token (``token_chunk_size=N``, the memory-for-speed
-end of the trade-off), and torch.compile of the plain loss (wall time and memory only).
+Variants: the default, the default's walk as it was on 2026-11-25 (cuBLAS logits and two passes
+over them; its host time includes the target check), one chunk of every token
+(``token_chunk_size=N``, the memory-for-speed end of the trade-off), and torch.compile of the
+plain loss (wall time and memory only).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from fused_lce.options import LCEOptions  # noqa: E402
 CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
     ("statistics", ("_row_statistics_kernel",)),
     ("G pass", ("_grad_in_place_kernel",)),
+    ("exp GEMM", ("_exp_logits_kernel",)),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
 )
 
@@ -59,14 +62,18 @@ def category(kernel_name: str) -> str:
     return "other"
 
 
-def step_fn(h, w, t, compiled=None, **options):
+def step_fn(h, w, t, compiled=None, two_pass=False, **options):
+    """One fwd+bwd step of ours (``two_pass``: with the walk of 2026-11-25), or of ``compiled``."""
+    loss_fn = (bench_lce.two_pass_cce() if two_pass
+               else lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", **options))
+
     def step():
         h.grad = None
         w.grad = None
         if compiled is not None:
             compiled(h, w, t).backward()
         else:
-            linear_cross_entropy(h, w, t, impl="cce", **options).backward()
+            loss_fn(h, w, t).backward()
     return step
 
 
@@ -212,13 +219,15 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
     default_rows = plan_forward_gradients(LCEOptions(), n_tokens, vocab,
                                           cfg.hidden_size, 2, True).chunk_rows
     variants = {"default": ({}, default_rows),
+                "two passes (the walk of 2026-11-25)": ({"two_pass": True}, default_rows),
                 "one chunk (token_chunk_size=N)": ({"token_chunk_size": n_tokens}, n_tokens)}
     for variant, (options, chunk_rows) in variants.items():
         step = step_fn(h, w, target, **options)
         extra_mib = extra_memory_mib(step, h, w)
         wall = bench_lce.steps_median_ms(step)
         per_category, per_kernel, largest_gaps = kernel_breakdown(step)
-        unchecked = step_fn(h, w, target, check_targets=False, **options)
+        unchecked = (step if options.get("two_pass")
+                     else step_fn(h, w, target, check_targets=False, **options))
         if out is not None and variant == "default":
             host_profile(unchecked, out / f"host_{label}_{n_tokens}.txt")
         gemms_only = bench_lce.steps_median_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))

@@ -55,15 +55,17 @@ def test_scalar_losses_match_fp64(dtype, regime, reduction, options, chunk, walk
         kw["token_chunk_size"] = chunk
     compare_to_reference(hidden, weight, target, bias, impl="cce", reduction=reduction, **kw)
     assert len(walks) == 1 and not recomputes
-    # 45 rows in chunks of 8 is 6 chunks: the weight gradient then sums in fp32.
-    assert walks[0] == ForwardGradPlan(N if chunk is None else 8, chunk is not None)
+    # 45 rows in chunks of 8 is 6 chunks: the weight gradient then sums in fp32. bf16 without
+    # smoothing stores exponentials (kernels/exp_logits.py), the rest logits.
+    exponentials = dtype == torch.bfloat16 and "label_smoothing" not in kw
+    assert walks[0] == ForwardGradPlan(N if chunk is None else 8, chunk is not None, exponentials)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_two_chunks_sum_the_weight_gradient_in_its_dtype(dtype, walks, recomputes):
     hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", seed=5, bias=True)
     compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=23)
-    assert walks == [ForwardGradPlan(23, False)] and not recomputes
+    assert walks == [ForwardGradPlan(23, False, dtype == torch.bfloat16)] and not recomputes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -73,7 +75,7 @@ def test_many_chunks_without_fp32_weight_grad_round_per_chunk(dtype, walks, reco
     hidden, weight, target, bias = make_problem(N, V, D, dtype, "near-uniform", seed=6)
     compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=8,
                          fp32_weight_grad=False)
-    assert walks == [ForwardGradPlan(8, False)] and not recomputes
+    assert walks == [ForwardGradPlan(8, False, dtype == torch.bfloat16)] and not recomputes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -112,6 +114,43 @@ def test_unexpected_upstream_gradients_are_recomputed_exactly(dtype, how, walks,
     kw = {"reduction": "none"} if how == "none-random-upstream" else {"return_lse": True}
     compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=16, **kw)
     assert len(walks) == 1 and len(recomputes) == 1
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one-chunk", "chunks-of-16"])
+def test_rows_out_of_the_exponentials_range_are_recomputed(chunk, walks, recomputes,
+                                                             monkeypatch):
+    # Losses of hundreds of nats: exp(z - z_y) would overflow for those rows, so the walk stores
+    # them again against their lse (repair_exponentials) and the result stays exact. The repair
+    # must have had rows to repair, and none elsewhere.
+    from fused_lce import triton_shard
+
+    hidden, weight, target, _ = make_problem(N, V, D, torch.bfloat16, "near-uniform", seed=8)
+    weight = (weight.float() * 4000.0).bfloat16()
+    repaired = []
+    original = triton_shard.repair_exponentials
+
+    def counting(*args, **kwargs):
+        out = args[6]
+        before = out.clone()
+        original(*args, **kwargs)
+        repaired.append(not torch.equal(before, out))
+
+    monkeypatch.setattr(triton_shard, "repair_exponentials", counting)
+    kw = {} if chunk is None else {"token_chunk_size": chunk}
+    compare_to_reference(hidden, weight, target, None, impl="cce", **kw)
+    assert any(repaired)
+    assert len(walks) == 1 and walks[0].exponentials and not recomputes
+
+
+def test_non_finite_input_gives_nan_as_torch_does(walks):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.bfloat16, "peaked", seed=9)
+    hidden = hidden.clone()
+    hidden[3, 2] = float("nan")
+    weight.requires_grad_()
+    loss = linear_cross_entropy(hidden, weight, target, impl="cce")
+    assert loss.isnan()
+    loss.backward()
+    assert weight.grad.isnan().any() and len(walks) == 1
 
 
 def test_the_recompute_warns_once_per_backward():
@@ -237,6 +276,19 @@ def test_without_fp32_weight_grad_a_tight_budget_keeps_the_forward_mode():
     assert _plan(65536, fp32_weight_grad=False) == ForwardGradPlan(4096, False)
     # Below 1024 rows the recompute backward still takes over.
     assert _plan(8192, scratch_mb=12.0, fp32_weight_grad=False) is None
+
+
+def test_exponentials_for_bf16_without_label_smoothing():
+    def exponentials(dtype, **options):
+        return plan_forward_gradients(LCEOptions(**options), 8192, 256000, 2304, 2, True,
+                                      dtype).exponentials
+
+    assert exponentials(torch.bfloat16)
+    assert exponentials(torch.bfloat16, softcap=30.0, z_loss=1e-4, reduction="none")
+    # fp16's range ends at exp(11): a near-uniform row of 256000 classes would overflow it.
+    assert not exponentials(torch.float16)
+    assert not exponentials(torch.float32)
+    assert not exponentials(torch.bfloat16, label_smoothing=0.1)
 
 
 def test_plan_reads_the_scratch_budget_from_the_environment(monkeypatch):

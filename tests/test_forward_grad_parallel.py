@@ -33,8 +33,13 @@ def _reference(hidden, weight, target, mask, upstream):
     return h.grad, w.grad
 
 
+# Tolerance against fp64 (max-abs error over the max): fp32's, and bf16's, whose walk stores
+# exponentials offset by the target logit that every shard takes from the one that owns it.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
 def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
-                           device: str = "cpu") -> list[str]:
+                           device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
     """The walk on ``device`` (tests/test_parallel_one_gpu.py runs it with every rank on one
     GPU), against fp64 on the CPU."""
     errors = []
@@ -42,7 +47,7 @@ def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
     original = engine._walk_token_chunks
     engine._walk_token_chunks = lambda *a: walks.append(a[3]) or original(*a)
     engine.warn_recompute = lambda where: recomputes.append(where)
-    hidden, weight, target, mask = _problem(torch.float32)
+    hidden, weight, target, mask = _problem(dtype)
     bounds = [V * r // world for r in range(world + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]
     rows = N // world
@@ -67,11 +72,12 @@ def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
         if sequence_parallel:
             ref_h = ref_h[rank * rows:(rank + 1) * rows]
         expected_recomputes = 1 if name == "random" else 0
-        if len(walks) != 1 or len(recomputes) != expected_recomputes:
+        if (len(walks) != 1 or len(recomputes) != expected_recomputes
+                or walks[0].exponentials != (dtype == torch.bfloat16)):
             errors.append(f"tp={world} rank={rank} {name}: walks {walks}, recomputes {recomputes}")
         for label, ours, ref in (("input", h.grad, ref_h), ("weight", w.grad, ref_w[lo:hi])):
             err = ((ours.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-            if not err < 1e-5:
+            if not err < TOLERANCE[dtype]:
                 errors.append(f"tp={world} rank={rank} {name} {label}: rel err {err:.2e}")
     dist.barrier()
     return errors
@@ -82,3 +88,10 @@ def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
 def test_vocab_shards_walk_together_and_match_fp64(world, sequence_parallel, tmp_path):
     run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
                  interpret=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_bf16_shards_share_the_target_logits_and_match_fp64(world, sequence_parallel, tmp_path):
+    run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cpu", torch.bfloat16,
+                 out_dir=tmp_path, timeout_s=90, interpret=True)

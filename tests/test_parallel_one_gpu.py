@@ -13,6 +13,7 @@ Run on a GPU machine: ``python -m pytest -q tests/test_parallel_one_gpu.py``.
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers_parallel import run_cases, run_on_ranks
 from test_forward_grad_parallel import vocab_shard_walk_suite
 from test_parallel_gpu import B, D, S, gpu_cases
@@ -33,6 +34,7 @@ def test_layer_on_ranks_sharing_one_gpu(world, tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_gradient_walk_on_ranks_sharing_one_gpu(world, sequence_parallel, tmp_path):
-    run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cuda:0", out_dir=tmp_path,
-                 timeout_s=300, interpret=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradient_walk_on_ranks_sharing_one_gpu(world, sequence_parallel, dtype, tmp_path):
+    run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cuda:0", dtype,
+                 out_dir=tmp_path, timeout_s=300, interpret=False)

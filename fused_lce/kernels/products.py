@@ -26,3 +26,13 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(out, a, b, beta=0, out_dtype=out.dtype, out=out)
     else:
         out.copy_(a.float() @ b.float())
+
+
+def accumulate_mv(acc: torch.Tensor, a: torch.Tensor, x: torch.Tensor) -> None:
+    """acc += a @ x for an fp32 vector ``acc``, a 16-bit matrix ``a`` and an fp32 ``x`` (rounded
+    to a's dtype for the product, which accumulates in fp32)."""
+    if acc.is_cuda:
+        column = acc.unsqueeze(1)
+        torch.addmm(column, a, x.to(a.dtype).unsqueeze(1), out_dtype=acc.dtype, out=column)
+    else:
+        acc += a.float() @ x.to(a.dtype).float()

@@ -1,0 +1,227 @@
+"""The exponentials kernels (fused_lce/kernels/exp_logits.py), called directly, against float64
+torch on the same bf16 inputs: the target logits and their column codes, the stored exponentials
+and their sums (through tensor descriptors and through pointers), the row scales and the scaled
+operand, the input gradient's finish and the target rows' sums into the weight and bias
+gradients (runs of equal targets longer than the kernel's block, and a vocabulary shard).
+
+Sizes are ragged (150 x 307 x 72 and 70): no tile divides them; 72 columns of bf16 make 16-byte
+rows (the descriptors' path), 70 do not (the pointers').
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_lce.kernels.exp_logits import (
+    IGNORED,
+    OTHER_SHARD,
+    ExpLogitsConfig,
+    add_target_rows,
+    exp_logits,
+    exp_logits_config,
+    finish_input_grad,
+    repair_exponentials,
+    row_scales,
+    target_logits,
+)
+
+pytestmark = pytest.mark.cpu_kernels
+
+N, V = 150, 307
+IGNORE = -100
+RTOL = 1e-5  # fp32 sums of exact products
+
+
+def _problem(d: int, seed: int, *, scale: float = 0.3):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, d, generator=gen).bfloat16()
+    weight = (torch.randn(V, d, generator=gen) * scale).bfloat16()
+    bias = (torch.randn(V, generator=gen) * 0.5).bfloat16()
+    # Targets of a whole vocabulary of 2V classes: this shard holds [V, 2V); some ignored.
+    target = torch.randint(0, 2 * V, (N,), generator=gen)
+    target[torch.rand(N, generator=gen) < 0.2] = IGNORE
+    return hidden, weight, bias, target
+
+
+def _logits64(hidden, weight, bias, softcap):
+    z = hidden.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def _columns64(target, vocab_start):
+    local = target - vocab_start
+    owned = (target != IGNORE) & (local >= 0) & (local < V)
+    live = torch.where(target != IGNORE, OTHER_SHARD, IGNORED)
+    return torch.where(owned, local, live)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_target_logits_and_columns(softcap, with_bias):
+    hidden, weight, bias, target = _problem(70, seed=1)
+    bias = bias if with_bias else None
+    logit, columns = target_logits(hidden, weight, bias, target, vocab_start=V,
+                                   ignore_index=IGNORE, softcap=softcap, round_16bit=False)
+    expected_columns = _columns64(target, V)
+    assert torch.equal(columns.long(), expected_columns)
+    owned = expected_columns >= 0
+    z = _logits64(hidden, weight, bias, softcap)
+    expected = torch.where(owned, z[torch.arange(N), expected_columns.clamp(min=0)], 0.0)
+    torch.testing.assert_close(logit.double(), expected, rtol=RTOL, atol=1e-6)
+    assert (logit[~owned] == 0).all()
+
+
+@pytest.mark.parametrize("d", [72, 70], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
+@pytest.mark.parametrize("split", [1, 2], ids=["whole-tile", "split-epilogue"])
+def test_exponentials_and_their_sums(d, softcap, regime, split):
+    hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
+    columns = _columns64(target, V).to(torch.int32)
+    # Offsets as the walk passes them: the target logit (another shard's, here random).
+    z = _logits64(hidden, weight, bias, softcap)
+    offsets = (torch.randn(N) * 2).float()
+    out = torch.full((N, V + 5), float("nan"), dtype=torch.bfloat16)[:, :V]  # strided rows
+    config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split)
+    row_max, sum_exp, target_logit = exp_logits(hidden, weight, bias, columns, offsets, out,
+                                                softcap=softcap, round_16bit=False,
+                                                config=config)
+    keep = torch.ones(N, V, dtype=torch.bool)
+    ignored = columns == IGNORED
+    keep[ignored] = False
+    owned = columns >= 0
+    keep[owned.nonzero().squeeze(1), columns[owned].long()] = False
+    # The row's logits as the statistics count them: the owned target's is the offset.
+    counted = torch.where(keep, z, float("-inf"))
+    counted[owned, columns[owned].long()] = offsets.double()[owned]
+    expected_lse = torch.logsumexp(counted, 1)
+    live = ~ignored
+    # row_max is a shift (the largest of the target's logit and the tiles' log-sums): the
+    # statistics hold lse = shift + log(sum_exp), and the shift is the target's logit where that
+    # dominates, so a confident token's nll = (shift - z_y) + log(sum_exp) keeps its precision.
+    assert (row_max[owned] >= offsets[owned]).all()
+    lse = row_max.double() + torch.log(sum_exp.double())
+    torch.testing.assert_close(lse[live], expected_lse[live], rtol=RTOL, atol=1e-5)
+    assert (row_max[ignored] == 0).all() and (sum_exp[ignored] == 1).all()
+    assert torch.equal(target_logit, torch.where(owned, offsets, 0.0))
+    exps = torch.where(keep, torch.exp(z - offsets.double()[:, None]), 0.0)
+    stored = exps
+    if softcap is not None:
+        stored = exps * (1 - (z / softcap) ** 2)
+    # 16-bit storage: each entry rounded once, to bf16's half-spacing (2^-9 relative).
+    assert not out.isnan().any()
+    error = (out.double() - stored).abs()
+    assert (error <= stored.abs() * 2.0**-8 + 1e-30).all()
+    assert (out[~keep] == 0).all()
+
+
+def test_exponentials_without_storage_give_the_same_sums():
+    hidden, weight, bias, target = _problem(72, seed=3)
+    columns = _columns64(target, 0).to(torch.int32)
+    offsets = torch.zeros(N)
+    stored = exp_logits(hidden, weight, None, columns, offsets,
+                        torch.empty(N, V, dtype=torch.bfloat16), softcap=None, round_16bit=False)
+    alone = exp_logits(hidden, weight, None, columns, offsets, None, softcap=None,
+                       round_16bit=False)
+    assert all(torch.equal(a, b) for a, b in zip(stored, alone))
+
+
+def test_rows_past_the_range_are_stored_again_against_their_lse():
+    hidden, weight, bias, target = _problem(72, seed=10)
+    columns = _columns64(target, 0).to(torch.int32)
+    z = _logits64(hidden, weight, bias, None)
+    gen = torch.Generator().manual_seed(11)
+    lse = torch.logsumexp(z, 1).float()
+    # Offsets 60 nats under the lse in a few rows (their E would reach exp(60)), NaN in one.
+    offsets = lse - torch.rand(N, generator=gen) * 5
+    far = torch.zeros(N, dtype=torch.bool)
+    far[[3, 64, 65, 149]] = True
+    offsets[far] = lse[far] - 60.0
+    offsets[7] = float("nan")
+    far[7] = True
+    out = torch.full((N, V), 7.0, dtype=torch.bfloat16)
+    repair_exponentials(hidden, weight, bias, columns, offsets, lse, out, softcap=None,
+                        round_16bit=False)
+    assert (out[~far] == 7.0).all()  # rows in range untouched
+    owned = columns >= 0
+    expected = torch.exp(z - lse.double()[:, None])
+    expected[owned, columns[owned].long()] = 0.0
+    expected[columns == IGNORED] = 0.0
+    error = (out.double() - expected).abs()[far]
+    assert (error <= expected[far].abs() * 2.0**-8 + 1e-30).all()
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+def test_row_scales_and_the_scaled_operand(softcap):
+    hidden, _, _, target = _problem(70, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    columns = _columns64(target, V).to(torch.int32)
+    lse = torch.randn(N, generator=gen) + 5
+    offsets = lse - torch.rand(N, generator=gen) * 3
+    p_coef = torch.rand(N, generator=gen)
+    p_coef[columns == IGNORED] = 0.0
+    target_grad = -torch.rand(N, generator=gen)
+    out = torch.empty(N, 70, dtype=torch.bfloat16)
+    scale, tgrad = row_scales(hidden, lse, offsets, p_coef, target_grad, columns,
+                              softcap=softcap, out=out)
+    expected = p_coef.double() * torch.exp(offsets.double() - lse.double())
+    torch.testing.assert_close(scale.double(), expected, rtol=RTOL, atol=0)
+    factor = 1.0 if softcap is None else 1 - (offsets.double() / softcap) ** 2
+    owned = columns >= 0
+    expected_t = torch.where(owned, target_grad.double() * factor, 0.0)
+    torch.testing.assert_close(tgrad.double(), expected_t, rtol=RTOL, atol=0)
+    torch.testing.assert_close(out, (expected[:, None] * hidden.double()).bfloat16(),
+                               rtol=0, atol=0)
+
+
+def test_finish_input_grad():
+    hidden, weight, _, target = _problem(70, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    columns = _columns64(target, V).to(torch.int32)
+    partial = torch.randn(N, 70, generator=gen)
+    scale, tgrad = torch.rand(N, generator=gen), torch.randn(N, generator=gen)
+    owned = columns >= 0
+    tgrad[~owned] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = partial.to(dtype)
+        expected = scale.double()[:, None] * grad.double()
+        expected[owned] += tgrad.double()[owned, None] * weight.double()[columns[owned].long()]
+        finish_input_grad(grad, weight, scale, tgrad, columns)
+        tol = 1e-6 if dtype == torch.float32 else 2.0**-8
+        assert ((grad.double() - expected).abs() <= tol * expected.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("with_weight_grad", [True, False], ids=["weight+bias", "bias-only"])
+def test_target_rows_summed_once_per_weight_row(with_weight_grad):
+    hidden, _, _, _ = _problem(70, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    # Long runs: 150 rows over 4 classes of the shard, plus other shards' and ignored rows.
+    columns = torch.randint(0, 4, (N,), generator=gen) * 37
+    columns[torch.rand(N, generator=gen) < 0.2] = OTHER_SHARD
+    columns[torch.rand(N, generator=gen) < 0.1] = IGNORED
+    columns = columns.to(torch.int32)
+    coef = torch.randn(N, generator=gen)
+    start = torch.randn(V, 70, generator=gen)
+    owned = columns >= 0
+    expected = start.double().index_add(0, columns[owned].long(),
+                                        coef.double()[owned, None] * hidden.double()[owned])
+    expected_bias = torch.zeros(V, dtype=torch.float64).index_add(0, columns[owned].long(),
+                                                                  coef.double()[owned])
+    assert torch.bincount(columns[owned].long()).max() > 32  # longer than one block of the run
+    weight_grad = start.clone() if with_weight_grad else None
+    bias_grad = torch.zeros(V)
+    add_target_rows(weight_grad, hidden, coef, columns, bias_grad)
+    torch.testing.assert_close(bias_grad.double(), expected_bias, rtol=RTOL, atol=1e-6)
+    if with_weight_grad:
+        torch.testing.assert_close(weight_grad.double(), expected, rtol=RTOL, atol=1e-5)
+        # bf16 weight gradient: the same sums, rounded once.
+        bf16 = start.bfloat16()
+        exact = bf16.double().index_add(0, columns[owned].long(),
+                                        coef.double()[owned, None] * hidden.double()[owned])
+        add_target_rows(bf16, hidden, coef, columns)
+        assert ((bf16.double() - exact).abs() <= exact.abs() * 2.0**-8).all()
