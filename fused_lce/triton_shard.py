@@ -1,11 +1,12 @@
 """The cce impl: the Triton kernels and cuBLAS as an engine ``ShardStrategy`` (``TritonShard``).
 
-By default the engine walks token chunks with ``TritonGradientChunks`` (cuBLAS logits, the
-logit_rows kernels, cuBLAS gradients: gradients in the forward). Otherwise the forward saves
-(lse, a few (N,) vectors) and the backward recomputes: ``prepare_rows`` orders the tokens,
-``shard_statistics`` runs the forward kernel on one weight shard and ``shard_backward`` the
-backward. ``TritonShard`` serves one device and the vocab-parallel layer alike; nothing in this
-file talks to other ranks.
+By default the engine walks token chunks with gradients in the forward: for bf16 with
+``ExpGradientChunks`` (the exp_logits GEMM stores exponentials, cuBLAS gradients), else with
+``TritonGradientChunks`` (cuBLAS logits, the logit_rows kernels, cuBLAS gradients). Where it does
+not walk, the forward saves (lse, a few (N,) vectors) and the backward recomputes:
+``prepare_rows`` orders the tokens, ``shard_statistics`` runs the forward kernel on one weight
+shard and ``shard_backward`` the backward. ``TritonShard`` serves one device and the
+vocab-parallel layer alike; nothing in this file talks to other ranks.
 
 Per-row vectors (target, bias) reach the kernels with unit stride: the building blocks make a
 strided view contiguous once (a copy of N or V elements), and the launchers check it.
