@@ -78,9 +78,9 @@ TARGETS: dict[str, Target] = {
          "_lse_nll", "_walk_token_chunks", "_scaled_gradients", "pad_rows"),
         (*_OP, *_TP2)),
     "fused_lce/forward_grad.py": Target(
-        ("plan_forward_gradients", "_tile_rows", "_chunks", "assumed_token_grad",
-         "upstream_scale"),
-        (*_OP, *_PLANS)),
+        ("plan_forward_gradients", "exponentials_apply", "_tile_rows", "_chunks",
+         "assumed_token_grad", "upstream_scale"),
+        (*_OP, *_PLANS, _FG + "exponentials_for_bf16_without_label_smoothing")),
     "fused_lce/chunked.py": Target(
         ("_local_target", "_logit_grad_", "_fold_into_lse_", "vocab_statistics",
          "vocab_backward", "ChunkedShard.statistics", "ChunkedShard.backward",
@@ -90,8 +90,11 @@ TARGETS: dict[str, Target] = {
          "tests/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
     "fused_lce/triton_shard.py": Target(
         ("prepare_rows", "local_targets", "TritonGradientChunks.statistics",
-         "TritonGradientChunks.gradients", "TritonGradientChunks.finish"),
-        (*_OP, *_PLANS[-2:], *_TP2)),
+         "TritonGradientChunks.gradients", "TritonGradientChunks.finish",
+         "ExpGradientChunks.target_logits", "ExpGradientChunks.compute_logits",
+         "ExpGradientChunks.gradients", "ExpGradientChunks.finish", "ExpGradientChunks._idle"),
+        (*_OP, *_PLANS[-2:], *_TP2,
+         _FG + "rows_out_of_the_exponentials_range_are_recomputed")),
     "parallel/comm.py": Target(
         ("all_reduce_max_", "all_reduce_sum_", "all_gather_first_dim",
          "reduce_scatter_first_dim", "GroupReducer.gather_input",
