@@ -225,3 +225,17 @@ def test_target_rows_summed_once_per_weight_row(with_weight_grad):
                                         coef.double()[owned, None] * hidden.double()[owned])
         add_target_rows(bf16, hidden, coef, columns)
         assert ((bf16.double() - exact).abs() <= exact.abs() * 2.0**-8).all()
+
+
+def test_launchers_name_a_bad_argument():
+    hidden, weight, bias, target = _problem(70, seed=12)
+    columns = _columns64(target, 0).to(torch.int32)
+    offsets = torch.zeros(N)
+    with pytest.raises(TypeError, match="columns must have dtype torch.int32"):
+        exp_logits(hidden, weight, None, columns.long(), offsets, None, softcap=None,
+                   round_16bit=False)
+    with pytest.raises(ValueError, match=r"out must be a \(150, 307\) matrix"):
+        exp_logits(hidden, weight, None, columns, offsets, torch.empty(N, V + 1).bfloat16(),
+                   softcap=None, round_16bit=False)
+    with pytest.raises(ValueError, match=r"lse must have shape \(150,\)"):
+        row_scales(hidden, torch.zeros(N - 1), offsets, offsets, offsets, columns, softcap=None)

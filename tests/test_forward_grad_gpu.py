@@ -1,5 +1,6 @@
-"""The gradient-in-forward backward on a CUDA GPU (skipped without one): cuBLAS logits in 16
-bits, the logit_rows kernels, several token chunks with both weight-gradient accumulations, the
+"""The gradient-in-forward backward on a CUDA GPU (skipped without one): for bf16 the
+exponentials walk (kernels/exp_logits.py), for fp32 cuBLAS logits and the logit_rows kernels,
+several token chunks with both weight-gradient accumulations, the
 Megatron-style masked "none" loss and the exact recompute, against fp64 (bound: twice torch's own
 error in the same dtype on the GPU). Run: ``python -m pytest -q -s tests/test_forward_grad_gpu.py``.
 """

@@ -39,6 +39,8 @@ import triton.language as tl
 from .common import (
     INTERPRET,
     TileConfig,
+    check_operands,
+    check_vector,
     dot_settings,
     gpu_family,
     logit_epilogue,
@@ -447,11 +449,28 @@ def _out_round(dtype: torch.dtype) -> int:
     return round_code(dtype, INTERPRET)
 
 
+def _check_rows(name: str, tensor: torch.Tensor, n_rows: int, n_cols: int) -> None:
+    """Raise unless ``tensor`` is an (n_rows, n_cols) matrix with unit column stride."""
+    if tensor.dim() != 2 or tuple(tensor.shape) != (n_rows, n_cols) or (
+            n_cols > 1 and tensor.stride(1) != 1):
+        raise ValueError(f"{name} must be a ({n_rows}, {n_cols}) matrix with unit column stride, "
+                         f"got shape {tuple(tensor.shape)} strides {tensor.stride()}")
+
+
+def _check_row_vectors(n_rows: int, columns: torch.Tensor, **fp32: torch.Tensor) -> None:
+    check_vector("columns", columns, n_rows, (torch.int32,))
+    for name, vector in fp32.items():
+        check_vector(name, vector, n_rows, (torch.float32,))
+
+
 def target_logits(hidden, weight, bias, target, *, vocab_start: int, ignore_index: int,
                   softcap: float | None, round_16bit: bool):
     """(logit, columns), (N,) each: the target logit softcap(round(h . w_y) + b_y) in fp32 (0 where
     this shard does not own the target), and the target's column in int32 (module docstring)."""
+    # Check constraints.
+    check_operands(hidden, weight, bias)
     n_rows, d_model = hidden.shape
+    check_vector("target", target, n_rows, (torch.int32, torch.int64))
     logit = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     columns = torch.empty(n_rows, device=hidden.device, dtype=torch.int32)
     block_n, block_d = (16, 128) if INTERPRET else (16, 256)
@@ -480,8 +499,13 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
     ``partials``: fp32 storage of at least ``partial_count`` elements for the per-tile sums,
     lent by the caller (memory idle at that moment), or None to allocate it.
     """
+    # Check constraints.
+    check_operands(hidden, weight, bias)
     n_rows, d_model = hidden.shape
     n_cols = weight.shape[0]
+    _check_row_vectors(n_rows, columns, offset=offset)
+    if out is not None:
+        _check_rows("out", out, n_rows, n_cols)
     config = config or exp_logits_config(hidden.device)
     cfg = config.tile
     col_tiles = triton.cdiv(n_cols, cfg.block_v)
@@ -527,8 +551,12 @@ def repair_exponentials(hidden, weight, bias, columns, offset, lse, out, *,
     """Where a row's loss (lse - offset) passes ``MAX_LOG_OFFSET`` nats or is not finite, store
     exp(z - lse) over ``out``'s row instead (``exp_logits``' layout); a launch that returns at
     once where no row does, so no host read decides it."""
+    # Check constraints.
+    check_operands(hidden, weight, bias)
     n_rows, d_model = hidden.shape
     n_cols = weight.shape[0]
+    _check_row_vectors(n_rows, columns, offset=offset, lse=lse)
+    _check_rows("out", out, n_rows, n_cols)
     cfg = exp_logits_config(hidden.device).tile
     if n_rows == 0 or n_cols == 0:
         return
@@ -556,7 +584,12 @@ def row_scales(hidden, lse, offset, p_coef, target_grad, columns, *, softcap: fl
     and g_n, the target column's gradient (times the cap's derivative; 0 where this shard does
     not own the target). With ``out`` (rows x D, unit column stride) also s * hidden, rounded to
     out's dtype: the weight gradient's right-hand operand."""
+    # Check constraints.
     n_rows, d_model = hidden.shape
+    _check_row_vectors(n_rows, columns, lse=lse, offset=offset, p_coef=p_coef,
+                       target_grad=target_grad)
+    if out is not None:
+        _check_rows("out", out, n_rows, d_model)
     scale = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_grad_out = torch.empty_like(scale)
     block_n, block_d = (16, 128) if INTERPRET else (8, 512)
@@ -574,7 +607,10 @@ def row_scales(hidden, lse, offset, p_coef, target_grad, columns, *, softcap: fl
 def finish_input_grad(grad, weight, scale, target_grad, columns) -> None:
     """In place: grad = s * grad + g * w_y, where ``grad`` (rows x D, unit column stride) holds the
     chunk's E @ weight."""
+    # Check constraints.
     n_rows, d_model = grad.shape
+    _check_rows("grad", grad, n_rows, weight.shape[1])
+    _check_row_vectors(n_rows, columns, scale=scale, target_grad=target_grad)
     block_n, block_d = (16, 128) if INTERPRET else (16, 256)
     if n_rows > 0 and d_model > 0:
         _finish_input_grad_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(d_model, block_d))](
@@ -588,7 +624,15 @@ def add_target_rows(weight_grad, hidden, target_grad, columns, bias_grad=None) -
     """In place: weight_grad[y_n] += g_n * hidden[n] for the rows whose target this shard owns,
     summed in fp32 in a fixed order and rounded once per weight row; the sums of g_n likewise
     into ``bias_grad`` (fp32). Either gradient may be None."""
+    # Check constraints.
     n_rows, d_model = hidden.shape
+    _check_row_vectors(n_rows, columns, target_grad=target_grad)
+    if weight_grad is not None and (weight_grad.dim() != 2 or weight_grad.shape[1] != d_model
+                                    or weight_grad.stride(1) != 1):
+        raise ValueError(f"weight_grad must be a (V, {d_model}) matrix with unit column stride, "
+                         f"got shape {tuple(weight_grad.shape)}")
+    if bias_grad is not None:
+        check_vector("bias_grad", bias_grad, bias_grad.shape[0], (torch.float32,))
     if n_rows == 0 or (weight_grad is None and bias_grad is None):
         return
     sorted_columns, order = torch.sort(columns, stable=True)
