@@ -94,7 +94,8 @@ TARGETS: dict[str, Target] = {
          "ExpGradientChunks.target_logits", "ExpGradientChunks.compute_logits",
          "ExpGradientChunks.gradients", "ExpGradientChunks.finish", "ExpGradientChunks._idle"),
         (*_OP, *_PLANS[-2:], *_TP2,
-         _FG + "rows_out_of_the_exponentials_range_are_recomputed")),
+         _FG + "rows_out_of_the_exponentials_range_are_recomputed",
+         _FG + "one_leaf_alone_gets_its_gradient_from_the_exponentials")),
     "parallel/comm.py": Target(
         ("all_reduce_max_", "all_reduce_sum_", "all_gather_first_dim",
          "reduce_scatter_first_dim", "GroupReducer.gather_input",

@@ -142,6 +142,27 @@ def test_rows_out_of_the_exponentials_range_are_recomputed(chunk, walks, recompu
     assert len(walks) == 1 and walks[0].exponentials and not recomputes
 
 
+@pytest.mark.parametrize("wanted", ["input", "weight", "bias"])
+def test_one_leaf_alone_gets_its_gradient_from_the_exponentials(wanted, walks):
+    # Each gradient of the bf16 walk on its own: the bias's alone takes the target terms'
+    # sums without a weight gradient to add them to.
+    from helpers import assert_close_rel
+
+    hidden, weight, target, bias = make_problem(N, V, D, torch.bfloat16, "peaked", seed=10,
+                                                bias=True, ignore_frac=0.2)
+    leaves = dict(input=hidden.clone(), weight=weight.clone(), bias=bias.clone())
+    leaves[wanted].requires_grad_()
+    linear_cross_entropy(leaves["input"], leaves["weight"], target, leaves["bias"], impl="cce",
+                         token_chunk_size=16).backward()
+    exact = dict(input=hidden.double(), weight=weight.double(), bias=bias.double())
+    exact[wanted].requires_grad_()
+    linear_cross_entropy(exact["input"], exact["weight"], target, exact["bias"],
+                         impl="torch").backward()
+    assert walks[0].exponentials
+    assert_close_rel(leaves[wanted].grad, exact[wanted].grad, 1e-2, wanted)
+    assert all(leaf.grad is None for name, leaf in leaves.items() if name != wanted)
+
+
 def test_non_finite_input_gives_nan_as_torch_does(walks):
     hidden, weight, target, _ = make_problem(N, V, D, torch.bfloat16, "peaked", seed=9)
     hidden = hidden.clone()
