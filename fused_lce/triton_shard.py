@@ -206,7 +206,40 @@ class TritonShard:
         return TritonGradientChunks(inputs, plan, needs, d_hidden_dtype)
 
 
-class ExpGradientChunks:
+class _ChunkGradients:
+    """What both Triton walks accumulate over the chunks, and how they hand it over: the input
+    gradient's rows, the weight gradient (fp32 past two chunks) and the bias gradient (fp32)."""
+
+    def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
+        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
+        self.inputs = inputs
+        self.bias = _unit_stride(bias)
+        self.buffer = None  # the chunk's logits (or exponentials), one chunk at a time
+        device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
+        want_hidden, want_weight, want_bias = needs
+        self.d_hidden = (torch.empty((n_rows, d_model), device=device, dtype=d_hidden_dtype)
+                         if want_hidden else None)
+        self.d_weight = None
+        if want_weight:
+            acc_dtype = torch.float32 if plan.fp32_weight_accumulator else weight.dtype
+            self.d_weight = torch.empty(weight.shape, device=device, dtype=acc_dtype)
+        self.d_bias = (torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
+                       if want_bias and bias is not None else None)
+        self.first_chunk = True
+
+    def finish(self):
+        """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
+        self.buffer = None
+        d_weight = self.d_weight
+        if d_weight is not None and d_weight.dtype != self.inputs.weight.dtype:
+            d_weight = d_weight.to(self.inputs.weight.dtype)
+        d_bias = self.d_bias
+        if d_bias is not None:
+            d_bias = d_bias.to(self.inputs.bias.dtype)
+        return self.d_hidden, d_weight, d_bias
+
+
+class ExpGradientChunks(_ChunkGradients):
     """The gradient-in-forward walk on one shard for 16-bit inputs (kernels/exp_logits.py): the
     GEMM's epilogue stores a token chunk's exponentials offset by the target logits, with their
     row sums, and cuBLAS takes them as they are for both gradients, scaling rows of the other
@@ -218,23 +251,12 @@ class ExpGradientChunks:
     """
 
     def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
-        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
-        self.inputs, self.opts = inputs, inputs.opts
-        self.bias = _unit_stride(bias)
-        device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
-        want_hidden, want_weight, want_bias = needs
+        super().__init__(inputs, plan, needs, d_hidden_dtype)
+        hidden, weight = inputs.hidden, inputs.weight
+        self.opts = inputs.opts
         # Evaluation (no gradient wanted) stores nothing: the epilogue's sums are the loss.
-        self.buffer = (torch.empty((plan.chunk_rows, weight.shape[0]), device=device,
+        self.buffer = (torch.empty((plan.chunk_rows, weight.shape[0]), device=hidden.device,
                                    dtype=hidden.dtype) if any(needs) else None)
-        self.d_hidden = (torch.empty((n_rows, d_model), device=device, dtype=d_hidden_dtype)
-                         if want_hidden else None)
-        self.d_weight = None
-        if want_weight:
-            acc_dtype = torch.float32 if plan.fp32_weight_accumulator else weight.dtype
-            self.d_weight = torch.empty(weight.shape, device=device, dtype=acc_dtype)
-        self.d_bias = (torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
-                       if want_bias and bias is not None else None)
-        self.first_chunk = True
         self.columns = self.offsets = self.stats = None  # the current chunk's
 
     def target_logits(self, rows: slice) -> torch.Tensor:
@@ -300,17 +322,6 @@ class ExpGradientChunks:
             finish_input_grad(grad, weight, scale, target_grad, self.columns)
         self.first_chunk = False
 
-    def finish(self):
-        """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
-        self.buffer = None
-        d_weight = self.d_weight
-        if d_weight is not None and d_weight.dtype != self.inputs.weight.dtype:
-            d_weight = d_weight.to(self.inputs.weight.dtype)
-        d_bias = self.d_bias
-        if d_bias is not None:
-            d_bias = d_bias.to(self.inputs.bias.dtype)
-        return self.d_hidden, d_weight, d_bias
-
     def _idle(self, rows: slice, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         """``numel`` elements of ``dtype`` over the chunk's rows of the input gradient, or None
         where there is no such gradient or it is too small."""
@@ -322,33 +333,22 @@ class ExpGradientChunks:
         return flat[start:end].view(dtype) if end <= flat.numel() else None
 
 
-class TritonGradientChunks:
+class TritonGradientChunks(_ChunkGradients):
     """The gradient-in-forward mode on one shard (fused_lce/forward_grad.py): cuBLAS writes a
     token chunk's logits into one buffer, the logit_rows kernels take their statistics and turn
     them into G in place, and cuBLAS consumes G for both gradients."""
 
     def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
-        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
-        self.inputs, self.plan = inputs, plan
-        self.bias = _unit_stride(bias)
+        super().__init__(inputs, plan, needs, d_hidden_dtype)
+        hidden, weight = inputs.hidden, inputs.weight
+        self.plan = plan
         self.chunk_targets = None  # the current chunk's, as columns of this shard
-        device, n_rows, d_model = hidden.device, hidden.shape[0], hidden.shape[1]
         # Under Triton's interpreter (which truncates rather than rounds to 16 bits) the buffer
         # is fp32 holding torch-rounded 16-bit logits, and torch rounds G: the GPU's numerics.
         self.emulate_16bit = INTERPRET and hidden.element_size() < 4
         buffer_dtype = torch.float32 if self.emulate_16bit else hidden.dtype
-        self.buffer = torch.empty((plan.chunk_rows, weight.shape[0]), device=device,
+        self.buffer = torch.empty((plan.chunk_rows, weight.shape[0]), device=hidden.device,
                                   dtype=buffer_dtype)
-        want_hidden, want_weight, want_bias = needs
-        self.d_hidden = (torch.empty((n_rows, d_model), device=device, dtype=d_hidden_dtype)
-                         if want_hidden else None)
-        self.d_weight = None
-        if want_weight:
-            acc_dtype = torch.float32 if plan.fp32_weight_accumulator else weight.dtype
-            self.d_weight = torch.empty(weight.shape, device=device, dtype=acc_dtype)
-        self.d_bias = (torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
-                       if want_bias and bias is not None else None)
-        self.first_chunk = True
 
     def target_logits(self, rows: slice) -> torch.Tensor:
         raise NotImplementedError("this walk stores logits, not exponentials")
@@ -394,17 +394,6 @@ class TritonGradientChunks:
         if self.d_bias is not None:
             self.d_bias += grad.sum(dim=0, dtype=torch.float32)
         self.first_chunk = False
-
-    def finish(self):
-        """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
-        self.buffer = None
-        d_weight = self.d_weight
-        if d_weight is not None and d_weight.dtype != self.inputs.weight.dtype:
-            d_weight = d_weight.to(self.inputs.weight.dtype)
-        d_bias = self.d_bias
-        if d_bias is not None:
-            d_bias = d_bias.to(self.inputs.bias.dtype)
-        return self.d_hidden, d_weight, d_bias
 
 
 @dataclass

@@ -89,10 +89,10 @@ TARGETS: dict[str, Target] = {
         (*_OP, "tests/test_chunked.py::test_all_tokens_ignored",
          "tests/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
     "fused_lce/triton_shard.py": Target(
-        ("prepare_rows", "local_targets", "TritonGradientChunks.statistics",
-         "TritonGradientChunks.gradients", "TritonGradientChunks.finish",
+        ("prepare_rows", "local_targets", "_ChunkGradients.finish",
+         "TritonGradientChunks.statistics", "TritonGradientChunks.gradients",
          "ExpGradientChunks.target_logits", "ExpGradientChunks.compute_logits",
-         "ExpGradientChunks.gradients", "ExpGradientChunks.finish", "ExpGradientChunks._idle"),
+         "ExpGradientChunks.gradients", "ExpGradientChunks._idle"),
         (*_OP, *_PLANS[-2:], *_TP2,
          _FG + "rows_out_of_the_exponentials_range_are_recomputed",
          _FG + "one_leaf_alone_gets_its_gradient_from_the_exponentials")),

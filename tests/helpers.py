@@ -56,3 +56,13 @@ def assert_close_rel(
             f"|diff| {abs(flat_a[i].item() - flat_b[i].item()):.3e}"
         )
     raise AssertionError("\n".join(lines))
+
+
+def logits64(hidden, weight, bias=None, softcap=None):
+    """softcap(hidden @ weight.T + bias) in float64: the logits every kernel test checks against."""
+    logits = hidden.double() @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits

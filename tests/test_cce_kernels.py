@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close_rel, rel_err
+from helpers import assert_close_rel, logits64, rel_err
 from helpers_lce import IGNORE_INDEX, make_problem, record_chunk_plans
 
 from fused_lce.backward_plan import plan_gemm_backward_for
@@ -44,14 +44,6 @@ TOL = 1e-5  # fp32 accumulation (the interpreter upcasts 16-bit loads to fp32)
 def _dtype_id(dtype):
     return str(dtype).removeprefix("torch.")
 
-
-def _logits64(hidden, weight, bias, softcap):
-    logits = hidden.double() @ weight.double().t()
-    if bias is not None:
-        logits = logits + bias.double()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
 
 
 def _assert_sum_close(actual, terms, dim, name):
@@ -81,7 +73,7 @@ def test_lse_forward(dtype, softcap, regime):
         hidden, weight, bias, rows.order, rows.n_valid, softcap=softcap,
         want_row_sum=True, want_col_sum=True,
     )
-    logits = _logits64(hidden, weight, bias, softcap)
+    logits = logits64(hidden, weight, bias, softcap)
     valid = rows.valid
     assert int(rows.n_valid) == int(valid.sum()) < N
 
@@ -131,7 +123,7 @@ def test_target_logit(dtype, softcap, shard):
         target=target, vocab_start=start, softcap=softcap,
     )
     out = stats.target_logit
-    logits = _logits64(hidden, weight, bias, softcap)
+    logits = logits64(hidden, weight, bias, softcap)
     owned = (target >= start) & (target < stop)
     expected = torch.zeros(N, dtype=torch.float64)
     expected[owned] = logits[owned.nonzero().squeeze(1), target[owned]]
@@ -428,7 +420,7 @@ def test_lse_forward_aligned_bf16(tma):
         hidden, weight, bias, rows.order, rows.n_valid, softcap=5.0,
         want_row_sum=True, want_col_sum=True, tma=tma,
     )
-    logits = _logits64(hidden, weight, bias, 5.0)
+    logits = logits64(hidden, weight, bias, 5.0)
     valid = rows.valid
     assert_close_rel(stats.lse[valid], torch.logsumexp(logits, 1)[valid], TOL, name="lse")
     _assert_sum_close(stats.row_sum[valid], logits[valid], dim=1, name="row_sum")
@@ -604,10 +596,10 @@ def test_backward_from_kept_logits(monkeypatch, options, tma, kept_bits):
     valid = prepare_rows(torch.where(inputs["target_local"] >= 0, 0, IGNORE_INDEX),
                          IGNORE_INDEX).valid
     # What was kept is the logits: max + log(scaled) against fp64, on the rows not ignored.
-    logits64 = _logits64(inputs["hidden"], inputs["weight"], inputs["bias"], opts.softcap)
+    exact = logits64(inputs["hidden"], inputs["weight"], inputs["bias"], opts.softcap)
     tile = torch.arange(V) // kept.block_v
     rebuilt = kept.tile_max[:, tile] + torch.log(kept.scaled.float())
-    assert rel_err(rebuilt[valid], logits64[valid]) < (2e-6 if kept_bits == 32 else 2e-3)
+    assert rel_err(rebuilt[valid], exact[valid]) < (2e-6 if kept_bits == 32 else 2e-3)
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("a logit chunk was recomputed")
@@ -644,9 +636,9 @@ def test_kept_logits_with_vocabulary_splits(monkeypatch, splits):
                                n_valid, keep_logits=True).kept
     assert torch.all(sentinel[:, n_tiles] == 123.0)
     valid = forward.valid_rows(order, n_valid) != 0
-    logits64 = _logits64(inputs["hidden"], inputs["weight"], inputs["bias"], None)
+    exact = logits64(inputs["hidden"], inputs["weight"], inputs["bias"], None)
     rebuilt = kept.tile_max[:, torch.arange(V) // kept.block_v] + torch.log(kept.scaled)
-    assert rel_err(rebuilt[valid], logits64[valid]) < 2e-6
+    assert rel_err(rebuilt[valid], exact[valid]) < 2e-6
 
 
 def _empty_returning(storage, shape):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import logits64
 
 from fused_lce.kernels.exp_logits import (
     IGNORED,
@@ -44,14 +45,6 @@ def _problem(d: int, seed: int, *, scale: float = 0.3):
     return hidden, weight, bias, target
 
 
-def _logits64(hidden, weight, bias, softcap):
-    z = hidden.double() @ weight.double().t()
-    if bias is not None:
-        z = z + bias.double()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z
-
 
 def _columns64(target, vocab_start):
     local = target - vocab_start
@@ -70,7 +63,7 @@ def test_target_logits_and_columns(softcap, with_bias):
     expected_columns = _columns64(target, V)
     assert torch.equal(columns.long(), expected_columns)
     owned = expected_columns >= 0
-    z = _logits64(hidden, weight, bias, softcap)
+    z = logits64(hidden, weight, bias, softcap)
     expected = torch.where(owned, z[torch.arange(N), expected_columns.clamp(min=0)], 0.0)
     torch.testing.assert_close(logit.double(), expected, rtol=RTOL, atol=1e-6)
     assert (logit[~owned] == 0).all()
@@ -84,7 +77,7 @@ def test_exponentials_and_their_sums(d, softcap, regime, split):
     hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
     columns = _columns64(target, V).to(torch.int32)
     # Offsets as the walk passes them: the target logit (another shard's, here random).
-    z = _logits64(hidden, weight, bias, softcap)
+    z = logits64(hidden, weight, bias, softcap)
     offsets = (torch.randn(N) * 2).float()
     out = torch.full((N, V + 5), float("nan"), dtype=torch.bfloat16)[:, :V]  # strided rows
     config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split)
@@ -134,7 +127,7 @@ def test_exponentials_without_storage_give_the_same_sums():
 def test_rows_past_the_range_are_stored_again_against_their_lse():
     hidden, weight, bias, target = _problem(72, seed=10)
     columns = _columns64(target, 0).to(torch.int32)
-    z = _logits64(hidden, weight, bias, None)
+    z = logits64(hidden, weight, bias, None)
     gen = torch.Generator().manual_seed(11)
     lse = torch.logsumexp(z, 1).float()
     # Offsets 60 nats under the lse in a few rows (their E would reach exp(60)), NaN in one.
