@@ -240,7 +240,7 @@ class _ChunkGradients:
 
 
 class ExpGradientChunks(_ChunkGradients):
-    """The gradient-in-forward walk on one shard for 16-bit inputs (kernels/exp_logits.py): the
+    """The gradient-in-forward walk on one shard for bf16 inputs (kernels/exp_logits.py): the
     GEMM's epilogue stores a token chunk's exponentials offset by the target logits, with their
     row sums, and cuBLAS takes them as they are for both gradients, scaling rows of the other
     operand and of the output. Nothing rereads the chunk to normalise it.
