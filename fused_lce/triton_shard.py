@@ -295,8 +295,7 @@ class ExpGradientChunks(_ChunkGradients):
         hidden, weight, opts = self.inputs.hidden[rows], self.inputs.weight, self.opts
         exps = self.buffer[: hidden.shape[0]]
         repair_exponentials(hidden, weight, self.bias, self.columns, self.offsets, lse, exps,
-                            softcap=opts.softcap, round_16bit=opts.rounds_logits(hidden.dtype),
-                            tma=opts.tma_allowed)
+                            softcap=opts.softcap, round_16bit=opts.rounds_logits(hidden.dtype))
         scaled = None
         if self.d_weight is not None:
             n_rows, d_model = hidden.shape

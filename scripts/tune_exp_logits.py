@@ -1,5 +1,6 @@
 """Time the exponentials GEMM (fused_lce/kernels/exp_logits.py) against cuBLAS's logits GEMM over
-one token chunk, for a few tile and epilogue configurations. One GPU.
+one token chunk, for a few tile and epilogue configurations ("always-max": the epilogue that takes every block's
+row max, as the first version did). One GPU.
 
     python scripts/tune_exp_logits.py [--rows 4096] [--shapes 256000:2304 128256:4096 32064:3072]
 
@@ -22,6 +23,8 @@ from fused_lce.kernels.exp_logits import ExpLogitsConfig, exp_logits
 
 CONFIGS = {
     "128x256x64 s3 w8": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3)),
+    "128x256x64 s3 w8 always-max": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3),
+                                                   always_max=True),
     "128x256x64 s3 w8 split2": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3), split=2),
     "128x256x64 s3 w8 ws": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3),
                                            warp_specialize=True),

@@ -124,6 +124,35 @@ def test_exponentials_without_storage_give_the_same_sums():
     assert all(torch.equal(a, b) for a, b in zip(stored, alone))
 
 
+@pytest.mark.parametrize("split", [1, 2], ids=["whole-tile", "split-epilogue"])
+def test_sums_stay_exact_where_exponentials_overflow(split):
+    """Rows whose logits pass their offset by more than fp32's exp range (a loss over 88 nats, a
+    target under a -inf bias): their tiles are summed again against the tile's max, so the
+    statistics stay exact, and the other rows of those tiles keep theirs."""
+    hidden, weight, bias, target = _problem(72, seed=12)
+    columns = _columns64(target, V).to(torch.int32)
+    z = logits64(hidden, weight, bias, None)
+    gen = torch.Generator().manual_seed(13)
+    offsets = (torch.randn(N, generator=gen) * 2).float()
+    offsets[[5, 70]] = -120.0
+    offsets[100] = -300.0
+    offsets[140] = float("-inf")
+    live = columns != IGNORED
+    config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split)
+    row_max, sum_exp, _ = exp_logits(hidden, weight, bias, columns, offsets,
+                                     torch.empty(N, V, dtype=torch.bfloat16), softcap=None,
+                                     round_16bit=False, config=config)
+    keep = torch.ones(N, V, dtype=torch.bool)
+    owned = columns >= 0
+    keep[owned.nonzero().squeeze(1), columns[owned].long()] = False
+    counted = torch.where(keep, z, float("-inf"))
+    counted[owned, columns[owned].long()] = offsets.double()[owned]
+    expected_lse = torch.logsumexp(counted, 1)
+    lse = row_max.double() + torch.log(sum_exp.double())
+    assert live[[5, 70, 100, 140]].all()
+    torch.testing.assert_close(lse[live], expected_lse[live], rtol=RTOL, atol=1e-5)
+
+
 def test_rows_past_the_range_are_stored_again_against_their_lse():
     hidden, weight, bias, target = _problem(72, seed=10)
     columns = _columns64(target, 0).to(torch.int32)

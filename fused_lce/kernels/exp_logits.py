@@ -19,9 +19,9 @@ which on near-uniform data doubles the weight gradient's error; here it is added
 
 Why the target logit as the offset: E[n, y_n] would be exactly 1, so every E <= exp(lse - c) =
 exp(loss). Nothing overflows while a row's loss stays under ``MAX_LOG_OFFSET`` nats, and nothing
-that matters underflows (E >= p). The statistics never depend on that range (the epilogue sums
-each tile against the larger of its max and the offset); a row past it (a loss over 55 nats, a
-target under a -inf bias, non-finite inputs) is stored again against its lse by
+that matters underflows (E >= p). The statistics never depend on that range (a tile whose sums
+overflow is summed again against its max); a row past it (a loss over 55 nats, a target under a
+-inf bias, non-finite inputs) is stored again against its lse by
 ``repair_exponentials``, a launch that returns at once where no row is: no host read decides.
 
 Target columns reach the kernels after ``target_logits`` as ``columns``: the target's row in this
@@ -61,6 +61,7 @@ _OTHER_SHARD, _IGNORED = tl.constexpr(OTHER_SHARD), tl.constexpr(IGNORED)  # as 
 # E then stays under exp(55), the fp32 products over V finite, and s E (s >= exp(-55) p_coef)
 # inside bf16's normal range.
 MAX_LOG_OFFSET = tl.constexpr(55.0)
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.heuristics(when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap"))
@@ -100,28 +101,33 @@ def _exponentials_epilogue(
     out_ptr, out_desc, stride_out,
     BLOCK_COLS: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
     ROUND: tl.constexpr, ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ALWAYS_MAX: tl.constexpr,
 ):
     """log sum exp per row of one (rows, BLOCK_COLS) block of the GEMM's accumulator, the
     target's column left out, storing exp(logit - offset) where asked.
 
-    The sum is taken against max(offset, the block's max), so it is exact whatever the logits:
-    the loss never depends on the stored exponentials' range, only the gradients do (a row out of
-    it is recomputed by ``_repair_kernel``)."""
-    cols = (col0 + tl.arange(0, BLOCK_COLS)).to(tl.int64)
+    The sum is exact whatever the logits: fp32 sums of positive terms lose nothing for want of a
+    shift, so the terms are exp(logit - offset) themselves, and only where one of the block's
+    rows overflows (a logit 88 nats over its offset) or is NaN are its sums taken again against
+    max(offset, the block's max). The stored exponentials of such a row are out of range too;
+    ``_repair_kernel`` stores them again. ``ALWAYS_MAX`` takes the max in every block (the
+    epilogue of 2026-11-27, for ``scripts/tune_exp_logits.py``)."""
+    cols = col0 + tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     logits, capped = logit_epilogue(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS,
                                     HAS_SOFTCAP, ROUND)
     keep = ((row_mask & (column != _IGNORED))[:, None] & col_mask[None, :]
             & (cols[None, :] != column[:, None]))
-    logits = tl.where(keep, logits, float("-inf"))
-    shift = tl.maximum(offset, tl.max(logits, axis=1))
-    shift = tl.where(shift == float("-inf"), 0.0, shift)  # fold_tile's rule: no -inf - -inf
-    # exp2 of pre-scaled differences: one FMA and one MUFU.EX2 per logit.
-    exps = tl.exp2((logits - shift[:, None]) * 1.4426950408889634)
-    log_sum = shift + tl.log(tl.sum(exps, axis=1))
+    if ALWAYS_MAX:
+        exps, log_sum = _shifted_exps(logits, keep, offset)
+    else:
+        # exp2 of pre-scaled differences: one FMA and one MUFU.EX2 per logit.
+        exps = tl.where(keep, tl.exp2(logits * _LOG2E - (offset * _LOG2E)[:, None]), 0.0)
+        sums = tl.sum(exps, axis=1)
+        log_sum = offset + tl.log(sums)
+        if tl.min((sums < float("inf")).to(tl.int32), axis=0) == 0:
+            _, log_sum = _shifted_exps(logits, keep, offset)
     if STORE:
-        exps *= tl.exp2((shift - offset) * 1.4426950408889634)[:, None]
         if HAS_SOFTCAP:
             exps *= softcap_derivative(capped)
         exps = round_logits(exps, ROUND_OUT).to(out_ptr.dtype.element_ty)
@@ -133,6 +139,18 @@ def _exponentials_epilogue(
     return log_sum
 
 
+@triton.jit
+def _shifted_exps(logits, keep, offset):
+    """(exp(logit - offset), log sum exp) of the kept logits, the sum taken against the larger of
+    the offset and the row's max: exact for any logits."""
+    logits = tl.where(keep, logits, float("-inf"))
+    shift = tl.maximum(offset, tl.max(logits, axis=1))
+    shift = tl.where(shift == float("-inf"), 0.0, shift)  # fold_tile's rule: no -inf - -inf
+    exps = tl.exp2((logits - shift[:, None]) * _LOG2E)
+    log_sum = shift + tl.log(tl.sum(exps, axis=1))
+    return exps * tl.exp2((shift - offset) * _LOG2E)[:, None], log_sum
+
+
 @triton.heuristics(when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap"))
 @triton.jit
 def _exp_logits_kernel(
@@ -142,7 +160,7 @@ def _exp_logits_kernel(
     softcap,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PROGRAMS: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
-    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ALWAYS_MAX: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
     ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
@@ -170,7 +188,7 @@ def _exp_logits_kernel(
                               stride_xn, stride_xd, stride_wv, stride_wd, BLOCK_N, BLOCK_V,
                               BLOCK_D, DOT_FP32, DOT_PRECISION)
         offset = tl.load(offset_ptr + rows, mask=row_mask, other=0.0)
-        column = tl.load(column_ptr + rows, mask=row_mask, other=_IGNORED).to(tl.int64)
+        column = tl.load(column_ptr + rows, mask=row_mask, other=_IGNORED)
         if SPLIT == 2:
             # The epilogue in two halves of the tile: half the registers live at a time.
             halves = tl.permute(tl.reshape(acc, (BLOCK_N, 2, BLOCK_V // 2)), (0, 2, 1))
@@ -178,17 +196,17 @@ def _exp_logits_kernel(
             log_left = _exponentials_epilogue(
                 left, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE, STORE_TMA, ROUND,
-                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP)
+                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
             log_right = _exponentials_epilogue(
                 right, rows, row_mask, row0, col0 + BLOCK_V // 2, n_cols, offset, column,
                 bias_ptr, softcap, out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE,
-                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP)
+                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
             log_sum = _log_add(log_left, log_right)
         else:
             log_sum = _exponentials_epilogue(
                 acc, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V, STORE, STORE_TMA, ROUND, ROUND_OUT,
-                HAS_BIAS, HAS_SOFTCAP)
+                HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
         tl.store(part_sum_ptr + col_tile * n_rows + rows, log_sum, mask=row_mask)
 
 
@@ -206,27 +224,25 @@ def _row_sums_kernel(
     BLOCK_N: tl.constexpr, BLOCK_PARTS: tl.constexpr,
 ):
     # The per-tile log-sums merged with the target's own logit (the offset, where this shard
-    # owns it) into a max and a sum of exp(logit - max), as the engine's statistics are.
+    # owns it) into a max and a sum of exp(logit - max), as the engine's statistics are: one
+    # read of the log-sums, the sum rescaled as the max grows.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     column = tl.load(column_ptr + rows, mask=row_mask, other=_IGNORED)
     owned = column >= 0
     offset = tl.load(offset_ptr + rows, mask=row_mask, other=0.0)
     row_max = tl.where(owned, offset, float("-inf"))
+    total = tl.where(owned, 1.0, 0.0)
     for p0 in range(0, n_parts, BLOCK_PARTS):
         parts = p0 + tl.arange(0, BLOCK_PARTS)
         block = tl.load(part_ptr + parts[:, None].to(tl.int64) * n_rows + rows[None, :],
                         mask=(parts < n_parts)[:, None] & row_mask[None, :],
                         other=float("-inf"))
-        row_max = tl.maximum(row_max, tl.max(block, axis=0))
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.where(owned, tl.exp(offset - shift), 0.0)
-    for p0 in range(0, n_parts, BLOCK_PARTS):
-        parts = p0 + tl.arange(0, BLOCK_PARTS)
-        block = tl.load(part_ptr + parts[:, None].to(tl.int64) * n_rows + rows[None, :],
-                        mask=(parts < n_parts)[:, None] & row_mask[None, :],
-                        other=float("-inf"))
-        total += tl.sum(tl.exp(block - shift[None, :]), axis=0)
+        new_max = tl.maximum(row_max, tl.max(block, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        total = (total * tl.exp(row_max - shift)
+                 + tl.sum(tl.exp(block - shift[None, :]), axis=0))
+        row_max = new_max
     # An ignored row's placeholders: max 0, sum 1 (lse 0).
     ignored = column == _IGNORED
     tl.store(max_ptr + rows, tl.where(ignored, 0.0, row_max), mask=row_mask)
@@ -244,16 +260,17 @@ def _out_of_range(lse, offset):
 @triton.heuristics(when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap"))
 @triton.jit
 def _repair_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, out_ptr, bias_ptr, lse_ptr, offset_ptr, column_ptr,
+    x_ptr, w_ptr, out_ptr, bias_ptr, lse_ptr, offset_ptr, column_ptr,
     n_rows, n_cols, d_model, stride_xn, stride_xd, stride_wv, stride_wd, stride_out, softcap,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PROGRAMS: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr,
+    PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Each program checks every row tile and returns: rows out of range are rare (a loss over
     # 55 nats, non-finite logits). Their tiles are recomputed and stored against the lse instead,
-    # so E becomes the softmax itself (row_scales then takes the lse as the offset).
+    # so E becomes the softmax itself (row_scales then takes the lse as the offset). Through
+    # pointers: the launch that usually does nothing pays for no tensor descriptors.
     for row_tile in range(0, tl.cdiv(n_rows, BLOCK_N)):
         row0 = row_tile * BLOCK_N
         rows = (row0 + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -267,13 +284,9 @@ def _repair_kernel(
                 col0 = col_tile * BLOCK_V
                 cols = (col0 + tl.arange(0, BLOCK_V)).to(tl.int64)
                 col_mask = cols < n_cols
-                if TMA:
-                    acc = logits_tile_tma(x_desc, w_desc, row0, col0, d_model, BLOCK_N,
-                                          BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION)
-                else:
-                    acc = logits_tile(x_ptr, w_ptr, rows, cols, row_mask, col_mask, d_model,
-                                      stride_xn, stride_xd, stride_wv, stride_wd, BLOCK_N,
-                                      BLOCK_V, BLOCK_D, DOT_FP32, DOT_PRECISION)
+                acc = logits_tile(x_ptr, w_ptr, rows, cols, row_mask, col_mask, d_model,
+                                  stride_xn, stride_xd, stride_wv, stride_wd, BLOCK_N, BLOCK_V,
+                                  BLOCK_D, DOT_FP32, DOT_PRECISION)
                 logits, capped = logit_epilogue(acc, bias_ptr, cols, col_mask, softcap,
                                                 HAS_BIAS, HAS_SOFTCAP, ROUND)
                 keep = ((column != _IGNORED)[:, None] & col_mask[None, :]
@@ -415,11 +428,14 @@ def _add_target_rows_kernel(
 @dataclass(frozen=True)
 class ExpLogitsConfig:
     """The GEMM's tiles and launch, and how its epilogue runs: in ``split`` parts of the tile,
-    and in its own warps (``warp_specialize``, Hopper and newer)."""
+    in its own warps (``warp_specialize``, Hopper and newer), and with each block's row max
+    taken always (``always_max``, the first epilogue; for comparisons) or only where a row
+    leaves exp's range."""
 
     tile: TileConfig
     split: int = 1
     warp_specialize: bool = False
+    always_max: bool = False
 
 
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
@@ -533,21 +549,23 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=8,
             PROGRAMS=programs, TMA=tma, STORE=out is not None, STORE_TMA=store_tma,
             SPLIT=config.split, WARP_SPECIALIZE=config.warp_specialize,
+            ALWAYS_MAX=config.always_max,
             DOT_FP32=dot_fp32, DOT_PRECISION=precision,
             ROUND=round_code(hidden.dtype, round_16bit),
             ROUND_OUT=0 if out is None else _out_round(out.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    block_n = 64 if INTERPRET else 128
+    # Rows in blocks of 32 (128-byte reads of each part): enough programs to fill the GPU.
+    block_n = 64 if INTERPRET else 32
     _row_sums_kernel[(triton.cdiv(n_rows, block_n),)](
         part_sum, columns, offset, stats[0], stats[1], stats[2], n_rows, col_tiles,
-        BLOCK_N=block_n, BLOCK_PARTS=16, num_warps=4,
+        BLOCK_N=block_n, BLOCK_PARTS=64 if INTERPRET else 32, num_warps=4,
     )
     return stats[0], stats[1], stats[2]
 
 
 def repair_exponentials(hidden, weight, bias, columns, offset, lse, out, *,
-                        softcap: float | None, round_16bit: bool, tma: bool = True) -> None:
+                        softcap: float | None, round_16bit: bool) -> None:
     """Where a row's loss (lse - offset) passes ``MAX_LOG_OFFSET`` nats or is not finite, store
     exp(z - lse) over ``out``'s row instead (``exp_logits``' layout); a launch that returns at
     once where no row does, so no host read decides it."""
@@ -560,19 +578,14 @@ def repair_exponentials(hidden, weight, bias, columns, offset, lse, out, *,
     cfg = exp_logits_config(hidden.device).tile
     if n_rows == 0 or n_cols == 0:
         return
-    tma = use_tma(hidden, weight, enabled=tma)
     dot_fp32, precision = dot_settings(hidden.dtype)
-    x_desc = w_desc = None
-    if tma:
-        x_desc = tma_descriptor(hidden, cfg.block_n, cfg.block_d)
-        w_desc = tma_descriptor(weight, cfg.block_v, cfg.block_d)
     programs = min(triton.cdiv(n_cols, cfg.block_v), num_sms(hidden.device))
     _repair_kernel[(programs,)](
-        hidden, weight, x_desc, w_desc, out, bias, lse, offset, columns,
+        hidden, weight, out, bias, lse, offset, columns,
         n_rows, n_cols, d_model, hidden.stride(0), hidden.stride(1), weight.stride(0),
         weight.stride(1), out.stride(0), softcap,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, PROGRAMS=programs,
-        TMA=tma, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
         ROUND=round_code(hidden.dtype, round_16bit), ROUND_OUT=_out_round(out.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
