@@ -1,6 +1,6 @@
 """Time the exponentials GEMM (fused_lce/kernels/exp_logits.py) against cuBLAS's logits GEMM over
-one token chunk, for a few tile and epilogue configurations ("always-max": the epilogue that takes every block's
-row max, as the first version did). One GPU.
+one token chunk, for a few tile and epilogue configurations ("always-max": the epilogue that
+takes every block's row max, as the first version did). One GPU.
 
     python scripts/tune_exp_logits.py [--rows 4096] [--shapes 256000:2304 128256:4096 32064:3072]
 
