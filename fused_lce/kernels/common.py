@@ -9,6 +9,7 @@ fp32/fp64-free inputs on GPUs where exactness is asked for).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,7 +228,7 @@ def use_tma(*tensors: torch.Tensor, enabled: bool = True) -> bool:
     if first.dtype not in (torch.bfloat16, torch.float16):
         return False
     if first.device.type == "cuda":
-        if torch.cuda.get_device_capability(first.device)[0] < 9:
+        if _cuda_device(first.device).major < 9:
             return False
     elif not INTERPRET:
         return False
@@ -387,16 +388,28 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     return True, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+def _cuda_device(device: torch.device):
+    """The properties of a CUDA device, read once per device: every launch asks for them, and
+    torch's query costs the host microseconds a call."""
+    return _device_properties(torch.cuda.current_device() if device.index is None
+                              else device.index)
+
+
+@functools.cache
+def _device_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_device(device).multi_processor_count
 
 
 def gpu_family(device: torch.device) -> str:
     if device.type != "cuda":
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    major = _cuda_device(device).major
     if major == 9:
         return "hopper"
     if major >= 10:
