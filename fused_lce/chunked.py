@@ -345,7 +345,7 @@ class ChunkedGradientChunks:
         self.d_bias = (weight.new_zeros(weight.shape[0], dtype=compute)
                        if want_bias and bias is not None else None)
 
-    def target_logits(self, rows: slice) -> torch.Tensor:
+    def target_logits(self) -> torch.Tensor:
         raise NotImplementedError("the chunked walk stores logits, not exponentials")
 
     def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:

@@ -144,13 +144,13 @@ class ShardStatistics(NamedTuple):
 
 
 class GradientChunks(Protocol):
-    """One call's walk over token chunks with gradients in the forward, in this order per chunk:
-    (with ``ForwardGradPlan.exponentials``) ``target_logits``, ``compute_logits``,
-    ``statistics``, then (with the global lse) ``gradients``; ``finish`` once at the end. It
-    keeps the chunk's logits between the calls."""
+    """One call's walk over token chunks with gradients in the forward: (with
+    ``ForwardGradPlan.exponentials``) ``target_logits`` once, then per chunk ``compute_logits``,
+    ``statistics`` and (with the global lse) ``gradients``; ``finish`` once at the end. It keeps
+    the chunk's logits between the calls."""
 
-    def target_logits(self, rows: slice) -> torch.Tensor:
-        """The rows' target logits, 0 where another shard owns the target (summed across shards
+    def target_logits(self) -> torch.Tensor:
+        """Every row's target logit, 0 where another shard owns the target (summed across shards
         into ``compute_logits``' offsets)."""
         ...
 
@@ -250,8 +250,9 @@ class EmptyGradientChunks:
     def __init__(self, inputs: ShardInputs, needs, d_hidden_dtype):
         self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
 
-    def target_logits(self, rows: slice) -> torch.Tensor:
-        return torch.zeros(self._rows(rows), dtype=torch.float32, device=self.inputs.hidden.device)
+    def target_logits(self) -> torch.Tensor:
+        hidden = self.inputs.hidden
+        return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
 
     def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
         pass
@@ -472,13 +473,13 @@ def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, nee
     n_rows = inputs.hidden.shape[0]
     opts = call.opts
     chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
+    # Every chunk's offsets in one launch and one collective, ahead of the walk.
+    offsets = (call.reducer.all_reduce_sum_(chunks.target_logits()) if plan.exponentials
+               else None)
     kept = None
     for start in range(0, n_rows, plan.chunk_rows):
         rows = slice(start, min(n_rows, start + plan.chunk_rows))
-        offsets = None
-        if plan.exponentials:
-            offsets = call.reducer.all_reduce_sum_(chunks.target_logits(rows))
-        chunks.compute_logits(rows, offsets)
+        chunks.compute_logits(rows, None if offsets is None else offsets[rows])
         # The host waits for the check while the GPU computes the first chunk's logits.
         _read_target_check(call)
         lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))

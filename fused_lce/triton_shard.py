@@ -257,23 +257,24 @@ class ExpGradientChunks(_ChunkGradients):
         # Evaluation (no gradient wanted) stores nothing: the epilogue's sums are the loss.
         self.buffer = (torch.empty((plan.chunk_rows, weight.shape[0]), device=hidden.device,
                                    dtype=hidden.dtype) if any(needs) else None)
+        self.all_columns = None  # every row's target column (kernels/exp_logits.py's codes)
         self.columns = self.offsets = self.stats = None  # the current chunk's
 
-    def target_logits(self, rows: slice) -> torch.Tensor:
+    def target_logits(self) -> torch.Tensor:
         inputs, opts = self.inputs, self.opts
-        logits, self.columns = target_logits(
-            inputs.hidden[rows], inputs.weight, self.bias, inputs.target[rows],
+        logits, self.all_columns = target_logits(
+            inputs.hidden, inputs.weight, self.bias, inputs.target,
             vocab_start=inputs.vocab_start, ignore_index=opts.ignore_index, softcap=opts.softcap,
             round_16bit=opts.rounds_logits(inputs.hidden.dtype),
         )
         return logits
 
     def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
-        """The chunk's exponentials into the buffer, against ``offsets``: every shard's sum of
-        ``target_logits``."""
+        """The chunk's exponentials into the buffer, against ``offsets``: the chunk's rows of
+        every shard's sum of ``target_logits``."""
         inputs, opts = self.inputs, self.opts
         hidden = inputs.hidden[rows]
-        self.offsets = offsets
+        self.columns, self.offsets = self.all_columns[rows], offsets
         out = None if self.buffer is None else self.buffer[: hidden.shape[0]]
         partials = self._idle(rows, torch.float32,
                               partial_count(hidden.shape[0], inputs.weight.shape[0],
@@ -349,7 +350,7 @@ class TritonGradientChunks(_ChunkGradients):
         self.buffer = torch.empty((plan.chunk_rows, weight.shape[0]), device=hidden.device,
                                   dtype=buffer_dtype)
 
-    def target_logits(self, rows: slice) -> torch.Tensor:
+    def target_logits(self) -> torch.Tensor:
         raise NotImplementedError("this walk stores logits, not exponentials")
 
     def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:

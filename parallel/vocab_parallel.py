@@ -23,9 +23,10 @@ evaluation call walks the chunks training walks, statistics only.
 Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows a chunk):
 
     forward   SP only: all-gather hidden   [N/TP x D -> N x D], input dtype
+              bf16 walk only: all-reduce SUM [N] fp32, every row's target logit, once before
+                                            the first chunk (the exponentials' offsets;
+                                            kernels/exp_logits.py)
               per chunk (default; one chunk of N rows for the recomputing backwards):
-              bf16 walk only: all-reduce SUM [R] fp32, the target logits, before the chunk's
-                                            GEMM (the exponentials' offsets; kernels/exp_logits.py)
               all-reduce MAX               [R] fp32
               all-reduce SUM               [2R] fp32, [3R] with label smoothing
     backward  reduction "none" (default mode): all-reduce MAX [1] fp32, the ranks' verdicts on
