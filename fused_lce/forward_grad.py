@@ -57,8 +57,8 @@ class ForwardGradPlan:
     """How the forward walks the tokens: ``chunk_rows`` at a time, the weight gradient summed in
     fp32 (``fp32_weight_accumulator``) or in the weight's dtype, and with ``exponentials`` the
     chunks' logits stored as exponentials offset by the target logits, which every shard needs
-    before the chunk's GEMM (kernels/exp_logits.py): across shards, one more all-reduce a chunk,
-    of one fp32 per token.
+    before the first chunk's GEMM (kernels/exp_logits.py): across shards, one more all-reduce a
+    call, of one fp32 per token.
     """
 
     chunk_rows: int
