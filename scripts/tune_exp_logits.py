@@ -21,21 +21,25 @@ from triton.testing import do_bench
 from fused_lce.kernels.common import TileConfig
 from fused_lce.kernels.exp_logits import ExpLogitsConfig, exp_logits
 
+_TILE = TileConfig(128, 256, 64, 8, 3)
 CONFIGS = {
-    "128x256x64 s3 w8": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3)),
-    "128x256x64 s3 w8 always-max": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3),
-                                                   always_max=True),
-    "128x256x64 s3 w8 split2": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3), split=2),
-    "128x256x64 s3 w8 ws": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3),
-                                           warp_specialize=True),
-    "128x256x64 s3 w8 split2 ws": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 3), split=2,
-                                                  warp_specialize=True),
+    "128x256x64 s3 w8": ExpLogitsConfig(_TILE),
+    "128x256x64 s3 w8 always-max": ExpLogitsConfig(_TILE, always_max=True),
+    "128x256x64 s3 w8 split2": ExpLogitsConfig(_TILE, split=2),
+    "128x256x64 s3 w8 ws": ExpLogitsConfig(_TILE, warp_specialize=True),
+    "128x256x64 s3 w8 split2 ws": ExpLogitsConfig(_TILE, split=2, warp_specialize=True),
     "128x256x64 s4 w8 split2": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2),
+    "128x256x64 s4 w8 split2 ws": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2,
+                                                  warp_specialize=True),
+    "128x256x128 s2 w8 split2 ws": ExpLogitsConfig(TileConfig(128, 256, 128, 8, 2), split=2,
+                                                   warp_specialize=True),
+    "split2 ws group4": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=4),
+    "split2 ws group16": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=16),
     "256x128x64 s3 w8": ExpLogitsConfig(TileConfig(256, 128, 64, 8, 3)),
 }
 
 
-def tune(rows: int, vocab: int, d_model: int, rounds: int) -> None:
+def tune(rows: int, vocab: int, d_model: int, rounds: int, names: list[str]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(rows, d_model, device="cuda", generator=gen).bfloat16()
     weight = (torch.randn(vocab, d_model, device="cuda", generator=gen) / d_model**0.5).bfloat16()
@@ -43,7 +47,8 @@ def tune(rows: int, vocab: int, d_model: int, rounds: int) -> None:
     offsets = torch.zeros(rows, device="cuda")
     out = torch.empty(rows, vocab, device="cuda", dtype=torch.bfloat16)
     timed = {"cuBLAS mm": lambda: torch.mm(hidden, weight.t(), out=out)}
-    for name, config in CONFIGS.items():
+    for name in names:
+        config = CONFIGS[name]
         timed[name] = (lambda config=config: exp_logits(
             hidden, weight, None, columns, offsets, out, softcap=None, round_16bit=False,
             config=config))
@@ -75,11 +80,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--shapes", nargs="+", default=["256000:2304", "128256:4096", "32064:3072"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
+                        help="a subset of the configurations (default: all)")
     args = parser.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for shape in args.shapes:
         vocab, d_model = (int(x) for x in shape.split(":"))
-        tune(args.rows, vocab, d_model, args.rounds)
+        tune(args.rows, vocab, d_model, args.rounds, args.configs or list(CONFIGS))
 
 
 if __name__ == "__main__":

@@ -430,12 +430,13 @@ class ExpLogitsConfig:
     """The GEMM's tiles and launch, and how its epilogue runs: in ``split`` parts of the tile,
     in its own warps (``warp_specialize``, Hopper and newer), and with each block's row max
     taken always (``always_max``, the first epilogue; for comparisons) or only where a row
-    leaves exp's range."""
+    leaves exp's range. ``group`` row tiles are walked together, sharing weight tiles in L2."""
 
     tile: TileConfig
     split: int = 1
     warp_specialize: bool = False
     always_max: bool = False
+    group: int = 8
 
 
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
@@ -547,7 +548,7 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             hidden, weight, x_desc, w_desc, out, out_desc, bias, offset, columns, part_sum,
             n_rows, n_cols, d_model, hidden.stride(0), hidden.stride(1), weight.stride(0),
             weight.stride(1), 0 if out is None else out.stride(0), softcap,
-            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=8,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP=config.group,
             PROGRAMS=programs, TMA=tma, STORE=out is not None, STORE_TMA=store_tma,
             # Warp specialisation was measured over tensor descriptors only.
             SPLIT=config.split, WARP_SPECIALIZE=config.warp_specialize and tma,
