@@ -35,6 +35,7 @@ CONFIGS = {
                                                    warp_specialize=True),
     "split2 ws group4": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=4),
     "split2 ws group16": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=16),
+    "split2 ws group32": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=32),
     "256x128x64 s3 w8": ExpLogitsConfig(TileConfig(256, 128, 64, 8, 3)),
 }
 
