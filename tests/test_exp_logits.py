@@ -72,15 +72,17 @@ def test_target_logits_and_columns(softcap, with_bias):
 @pytest.mark.parametrize("d", [72, 70], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
-@pytest.mark.parametrize("split", [1, 2], ids=["whole-tile", "split-epilogue"])
-def test_exponentials_and_their_sums(d, softcap, regime, split):
+# Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one.
+@pytest.mark.parametrize("split, group", [(1, None), (2, 2)],
+                         ids=["whole-tile", "split-epilogue-group2"])
+def test_exponentials_and_their_sums(d, softcap, regime, split, group):
     hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
     columns = _columns64(target, V).to(torch.int32)
     # Offsets as the walk passes them: the target logit (another shard's, here random).
     z = logits64(hidden, weight, bias, softcap)
     offsets = (torch.randn(N) * 2).float()
     out = torch.full((N, V + 5), float("nan"), dtype=torch.bfloat16)[:, :V]  # strided rows
-    config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split)
+    config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split, group=group)
     row_max, sum_exp, target_logit = exp_logits(hidden, weight, bias, columns, offsets, out,
                                                 softcap=softcap, round_16bit=False,
                                                 config=config)
