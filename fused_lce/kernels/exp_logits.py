@@ -451,7 +451,8 @@ def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
 # (docs/benchmarks/single_gpu_h100_202611.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
 # two halves of the tile and in warps of its own: 0.99-1.10x cuBLAS's plain GEMM, the best mean
-# of seven variants (whole epilogues, 4 stages, 256 x 128, the always-max epilogue).
+# of seven variants (whole epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep
+# tiles in 2 stages were 1.27-1.43x.
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.
     "interpreter": ExpLogitsConfig(TileConfig(64, 128, 64, num_warps=4, num_stages=1), split=2),
