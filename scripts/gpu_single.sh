@@ -13,9 +13,10 @@
 #             tests/test_reliability_gpu.py (confident tokens, strided arguments)
 #   bench     scripts/bench_lce.py: ours and the peers, three shapes, N = 8192, both regimes
 #   bench-n   the same at N = 2048 and 65536 (ours, torch.compile, and the peers that fit)
-#   exp       the bf16 walk's evidence (kernels/exp_logits.py): its GPU tests (one GPU, and 2 and
-#             4 ranks sharing it over gloo), the GEMM against cuBLAS, the host's cost per call,
-#             and the step's profile at three widths and one TP = 8 rank
+#   exp-tests the bf16 walk's GPU tests (kernels/exp_logits.py): one GPU, and 2 and 4 ranks
+#             sharing it over gloo (about 4 minutes)
+#   exp-bench its GEMM against cuBLAS, the host's cost per call, and the step's profile at three
+#             widths and one TP = 8 rank (about 6 minutes)
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
@@ -76,11 +77,13 @@ for stage in "$@"; do
             --providers ${PROVIDERS:-cce-nocheck cce-lean torch.compile} --rep-ms 150 \
             --out "$results/bench_n"
         ;;
-    exp)
+    exp-tests)
         run exp_tests 300 python3 -m pytest -q -x -p no:cacheprovider \
             tests/test_forward_grad_gpu.py tests/test_neg_inf_bias_gpu.py
         run exp_tests_parallel 200 python3 -m pytest -q -x -p no:cacheprovider \
             tests/test_parallel_one_gpu.py -k "gradient_walk and bf16"
+        ;;
+    exp-bench)
         run exp_tune 200 python3 scripts/tune_exp_logits.py --rounds 3
         run exp_host 60 python3 scripts/host_overhead.py
         run exp_profile 420 python3 scripts/profile_default.py --cases gemma2_2b:8192 \
