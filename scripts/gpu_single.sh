@@ -16,7 +16,7 @@
 #   exp-tests the bf16 walk's GPU tests (kernels/exp_logits.py): one GPU, and 2 and 4 ranks
 #             sharing it over gloo (about 4 minutes)
 #   exp-bench its GEMM against cuBLAS, the host's cost per call, and the step's profile at three
-#             widths and one TP = 8 rank (about 6 minutes)
+#             widths and one TP = 8 rank (about 8 minutes)
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
