@@ -441,8 +441,8 @@ class ExpLogitsConfig:
 
 
 def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
-    """Row tiles walked together. scripts/tune_exp_logits.py on an H100, two runs: 16 is 2-5%
-    faster than 8 at 256000 and 128256 columns, 4% slower at 32064."""
+    """Row tiles walked together. scripts/tune_exp_logits.py on an H100, two runs: 16 is 0.4-5%
+    faster than 8 at 256000 and 128256 columns, 4% slower at 32064 (one run)."""
     if config.group is not None:
         return config.group
     return 16 if n_cols >= 65536 else 8
