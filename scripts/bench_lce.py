@@ -15,11 +15,14 @@ paper's filter; ``cce-det``; ``chunked``; ``chunked-tokens``: gradients computed
 over token chunks of 512 MiB of logits, three matmuls and no recompute, a candidate budget mode),
 ``torch`` (eager full logits), ``torch.compile`` (the same function compiled), and, when
 installed, ``liger`` (liger-kernel's fused linear cross-entropy), ``apple-cce``
-(cut-cross-entropy) and ``megatron-fused`` (megatron-core's fused vocab-parallel cross-entropy on
-bf16 logits at TP=1, what ``--cross-entropy-loss-fusion`` runs). Times are medians over windows
-of back-to-back calls (``looped_median``; ``--timer do_bench`` for triton's per-call timer; the
-backward is forward+backward minus forward, the forward running with autograd on); "extra
-memory" is the peak allocated during forward+backward above the inputs and the gradient buffers.
+(cut-cross-entropy), ``megatron-fused`` (megatron-core's fused vocab-parallel cross-entropy on
+bf16 logits at TP=1, what ``--cross-entropy-loss-fusion`` runs), and the CuTe-DSL peers ``quack``,
+``quack-scaled-exp``, ``liger-cute`` and ``liger-cutedsl`` (``cute_peer`` says which call each is).
+A provider that raises (out of memory, a shape it refuses) is reported and skipped. Times are
+medians over windows of back-to-back calls (``looped_median``; ``--timer do_bench`` for
+triton's per-call timer; the backward is forward+backward minus forward, the forward running
+with autograd on); "extra memory" is the peak allocated during forward+backward above the inputs
+and the gradient buffers.
 
 Data regimes (``make_inputs``):
 - ``uniform``: random initialisation; logits ~ N(0, 0.02^2 * D), a near-uniform softmax.
@@ -168,6 +171,10 @@ def providers(names: list[str]) -> dict:
     for name in names:
         if name.startswith("cce:"):
             table[name] = custom_cce(name)
+        elif name.startswith(("quack", "liger-cute")):
+            peer = cute_peer(name)
+            if peer is not None:
+                table[name] = peer
     missing = [n for n in names if n not in table]
     if missing:
         print(f"# not available, skipped: {', '.join(missing)}")
@@ -201,6 +208,55 @@ def custom_cce(name: str):
         options[key] = bool(int(value)) if isinstance(default, bool) else (
             float(value) if "." in value else int(value))
     return lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", **options)
+
+
+def cute_peer(name: str):
+    """The peers written in the CuTe DSL (they need nvidia-cutlass-dsl; None where it or the peer
+    does not import). Each is called as its own docs show, at its defaults unless named:
+
+    - ``quack``: Dao-AILab QuACK's ``chunked_linear_cross_entropy`` with ``use_scaled_exp=False``,
+      its base pipeline (per chunk of tokens: one GEMM into bf16 logits, one CE kernel that
+      overwrites them with their gradient, the dX and dW GEMMs); ``quack-scaled-exp``: its
+      epilogue-fused pipeline (``use_scaled_exp=True``: exponentials with power-of-two offsets
+      stored by the logits GEMM's epilogue and rescaled as the dX / dW GEMMs load them; SM90,
+      V % 128 == 0). ``@CHUNK`` sets ``chunk_size`` (QuACK's default 4096), e.g. ``quack@8192``.
+    - ``liger-cute``: Liger's SM90 fused linear cross-entropy in the CuTe DSL
+      (``liger_fused_linear_cross_entropy_sm90``: one logits GEMM for all tokens, a CE kernel
+      that overwrites them with dZ, dX in the forward and dW in the backward; V % 256 == 0,
+      N % 128 == 0). Liger's public ``LigerFusedLinearCrossEntropyLoss`` does not select it.
+    - ``liger-cutedsl``: Liger's chunked FLCE with its dispatcher's CuTe CE kernel inside
+      (``ce_impl="nvidia-cutedsl"``), what its backend registry ranks first on Hopper.
+    """
+    base, _, chunk = name.partition("@")
+    try:
+        if base in ("quack", "quack-scaled-exp"):
+            from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+            chunk_size = int(chunk) if chunk else 4096
+            scaled = base == "quack-scaled-exp"
+            return lambda h, w, t: chunked_linear_cross_entropy(
+                h, w, t, chunk_size=chunk_size, use_scaled_exp=scaled)
+        if base == "liger-cute":
+            from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+                liger_fused_linear_cross_entropy_sm90,
+            )
+
+            return lambda h, w, t: liger_fused_linear_cross_entropy_sm90(h, w, t)
+        if base == "liger-cutedsl":
+            from liger_kernel.ops.fused_linear_cross_entropy import (
+                LigerFusedLinearCrossEntropyFunction,
+            )
+
+            # Positional, as its forward takes them: bias, ce_weight, ignore_index, z-loss scale,
+            # smoothing, reduction, softcap, return_z_loss, accum_dtype, token scaling, accuracy,
+            # predicted tokens, ce_impl, ce_mode.
+            return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(
+                h, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, None, False, False,
+                False, "nvidia-cutedsl", None)[0]
+    except Exception as error:  # a half-installed DSL fails in many ways; report, go on
+        print(f"# {name}: {type(error).__name__}: {error}")
+        return None
+    raise ValueError(f"unknown CuTe peer {name!r}")
 
 
 def megatron_fused_loss():
@@ -412,10 +468,13 @@ def main(argv=None) -> None:
                     t0 = time.time()
                     try:
                         result = measure(fn, hidden, weight, target, args.rep_ms)
-                    except torch.cuda.OutOfMemoryError:
+                    except Exception as error:  # out of memory, or a peer refusing a shape
+                        print(f"{model:>12} {n_tokens:>6} {regime:>8} {name:>14}: "
+                              f"{type(error).__name__}: {str(error)[:300]}", flush=True)
                         result = {"fwd_ms": math.nan, "bwd_ms": math.nan,
                                   "fwd_bwd_ms": math.nan, "extra_mib": math.nan,
                                   "loss": math.nan}
+                        gc.collect()
                         torch.cuda.empty_cache()
                     result["tflops"] = 4 * one_mm / result["fwd_bwd_ms"]
                     if reference is not None and not math.isnan(result["fwd_bwd_ms"]):

@@ -17,6 +17,13 @@
 #             sharing it over gloo (about 4 minutes)
 #   exp-bench its GEMM against cuBLAS, the host's cost per call, and the step's profile at three
 #             widths and one TP = 8 rank (about 8 minutes)
+#   cute-keep  keep the first half of the packed cutlass-dsl compiler (.qk/cu13.part1) and the
+#             wheels (.qk/w: quack-kernels, nvidia-cutlass-dsl 4.7.1, ...) for the next call on
+#             the same warm machine (the device tool carries 64 MiB a call)
+#   cute-setup join the compiler with .qk/cu13.part2, install it all, and key QuACK's compile
+#             cache by identity where its keyer refuses a value (scripts/pack_cute_peers.py
+#             makes .qk/ and says why)
+#   cute-bench MODELS=...: ours, torch.compile and the CuTe peers at N = 4096 and 8192
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
@@ -24,6 +31,8 @@ results=$1; shift
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# A --target install does not run nvidia-cutlass-dsl's .pth, which puts this on the path.
+export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 
 run() {  # run NAME SECONDS CMD...: log to RESULTS/NAME.log, keep going on failure
     local name=$1 limit=$2; shift 2
@@ -88,6 +97,29 @@ for stage in "$@"; do
         run exp_host 60 python3 scripts/host_overhead.py
         run exp_profile 420 python3 scripts/profile_default.py --cases gemma2_2b:8192 \
             llama3_8b:8192 phi3_5_mini:8192 llama3_8b:8192:8 --out "$results/exp_profile"
+        ;;
+    cute-keep)
+        mkdir -p /tmp/qk && cp -r .qk/cu13.part1 .qk/w /tmp/qk/ || exit 1
+        ;;
+    cute-setup)
+        [ -f /tmp/qk/cu13.part1 ] || { echo "cute-setup: no cute-keep on this machine"; exit 1; }
+        # Wheels first: --upgrade replaces whole folders, and the compiler joins them after.
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site /tmp/qk/w/*.whl || exit 1
+        cat /tmp/qk/cu13.part1 .qk/cu13.part2 | xz -d | tar xf - -C /tmp/site || exit 1
+        python3 scripts/pack_cute_peers.py --patch-quack /tmp/site || exit 1
+        python3 -c "import cutlass, quack.linear_cross_entropy; print('cute peers import')" \
+            > "$results/cute_setup.log" 2>&1
+        tail -n 5 "$results/cute_setup.log"
+        ;;
+    cute-bench)
+        for model in ${MODELS:-llama3_8b gemma2_2b phi3_5_mini}; do
+            run "cute_bench_$model" ${BENCH_LIMIT:-560} python3 scripts/bench_lce.py \
+                --models "$model" --tokens 4096 8192 --regimes ${REGIMES:-uniform trained} \
+                --providers ${PROVIDERS:-cce quack quack-scaled-exp liger-cute torch.compile \
+                    cce:token_chunk_size=8192 liger-cutedsl} \
+                --rep-ms 100 ${BENCH_ARGS:-} --out "$results/cute_bench_$model"
+        done
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
