@@ -23,7 +23,8 @@
 #   cute-setup join the compiler with .qk/cu13.part2, install it all, and key QuACK's compile
 #             cache by identity where its keyer refuses a value (scripts/pack_cute_peers.py
 #             makes .qk/ and says why)
-#   cute-bench MODELS=...: ours, torch.compile and the CuTe peers at N = 4096 and 8192
+#   cute-bench MODELS=... REP_MS=...: ours, torch.compile and the CuTe peers at N = 4096 and
+#             8192 (REP_MS 100 fits QuACK's compiles into a call; 400 times steadier)
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
@@ -118,7 +119,7 @@ for stage in "$@"; do
                 --models "$model" --tokens 4096 8192 --regimes ${REGIMES:-uniform trained} \
                 --providers ${PROVIDERS:-cce quack quack-scaled-exp liger-cute torch.compile \
                     cce:token_chunk_size=8192 liger-cutedsl} \
-                --rep-ms 100 ${BENCH_ARGS:-} --out "$results/cute_bench_$model"
+                --rep-ms ${REP_MS:-100} ${BENCH_ARGS:-} --out "$results/cute_bench_$model"
         done
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
