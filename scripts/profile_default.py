@@ -19,8 +19,9 @@ For each shape and token count it prints and writes (``breakdown.csv``, ``kernel
 
 Variants: the default, the default's walk as it was on 2026-11-25 (cuBLAS logits and two passes
 over them; its host time includes the target check), one chunk of every token
-(``token_chunk_size=N``, the memory-for-speed end of the trade-off), and torch.compile of the
-plain loss (wall time and memory only).
+(``token_chunk_size=N``, the memory-for-speed end of the trade-off), and the peers of
+``--peers`` (scripts/bench_lce.py's providers: torch.compile of the plain loss by default, or
+e.g. ``quack`` where it is installed), each with its wall time, memory and GPU time by kernel.
 """
 
 from __future__ import annotations
@@ -201,10 +202,28 @@ def gemm_rates(rows: int, vocab: int, hidden: int, dtype) -> dict:
             for name, fn in timed.items()}
 
 
+def peer_row(name: str, step, h, w, columns: dict) -> dict:
+    """A peer's wall time, memory and GPU time by kernel category (its kernels under
+    ``"kernels"``), in the columns of ours; what does not apply is NaN."""
+    row = dict.fromkeys(columns, float("nan"))
+    row["variant"] = name
+    row["extra_mib"] = extra_memory_mib(step, h, w)
+    row["wall_ms"] = bench_lce.steps_median_ms(step)
+    per_category, per_kernel, _ = kernel_breakdown(step)
+    for category_name, _ in CATEGORIES:
+        row[f"{category_name}_ms"] = per_category.get(category_name, 0.0)
+    row["other_ms"] = per_category.get("other", 0.0)
+    row["gaps_ms"] = per_category["gaps"]
+    row["profiled_wall_ms"] = per_category["profiled wall"]
+    row["kernels"] = per_kernel
+    return row
+
+
 def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
-             tp: int = 1) -> tuple[list[dict], dict]:
+             tp: int = 1, peers: tuple[str, ...] = ("torch.compile",)) -> tuple[list[dict], dict]:
     """One shape; ``tp`` > 1 times one tensor-parallel rank's work (its V/tp vocabulary shard,
-    every token), as scripts/bench_strategies.py does."""
+    every token), as scripts/bench_strategies.py does. ``peers``: scripts/bench_lce.py providers
+    profiled beside ours (their GEMMs count under "gemm" where their names say so)."""
     cfg = bench_lce.load_model_config(model)
     vocab = math.ceil(cfg.vocab_size / tp)
     label = model if tp == 1 else f"{model}_tp{tp}"
@@ -245,14 +264,20 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
         kernels[f"{label} N={n_tokens} {variant}"] = per_kernel
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
-    compiled = step_fn(h, w, target, compiled=torch.compile(bench_lce.torch_loss))
-    row = dict.fromkeys(rows[0], float("nan"))
-    row.update(shape=label, tokens=n_tokens, regime=regime, variant="torch.compile",
-               chunk_rows=n_tokens, extra_mib=extra_memory_mib(compiled, h, w),
-               wall_ms=bench_lce.steps_median_ms(compiled))
-    rows.append(row)
-    print(f"{label} N={n_tokens} torch.compile: wall_ms={row['wall_ms']:.2f} "
-          f"extra_mib={row['extra_mib']:.1f}", flush=True)
+    for name, loss_fn in bench_lce.providers(list(peers)).items():
+        try:
+            row = peer_row(name, step_fn(h, w, target, compiled=loss_fn), h, w, rows[0])
+        except Exception as error:  # a peer refusing a shape
+            print(f"{label} N={n_tokens} {name}: {type(error).__name__}: {str(error)[:300]}",
+                  flush=True)
+            continue
+        row.update(shape=label, tokens=n_tokens, regime=regime, floor_ms=floor_ms,
+                   cublas_tflops=ceiling)
+        kernels[f"{label} N={n_tokens} {name}"] = row.pop("kernels")
+        rows.append(row)
+        print(f"{label} N={n_tokens} {name}: " + " ".join(
+            f"{k}={row[k]:.2f}" for k in ("wall_ms", "extra_mib", "exp GEMM_ms", "gemm_ms",
+                                          "other_ms", "gaps_ms")), flush=True)
     for rows_ in sorted({default_rows, n_tokens}):
         rates = gemm_rates(rows_, vocab, cfg.hidden_size, torch.bfloat16)
         kernels[f"{label} gemm TFLOP/s at {rows_} rows"] = rates
@@ -269,6 +294,8 @@ def main(argv=None) -> None:
                         default=["gemma2_2b:8192", "llama3_8b:8192", "phi3_5_mini:8192",
                                  "llama3_8b:4096"], help="model:tokens[:tensor-parallel ranks]")
     parser.add_argument("--regime", default="trained", choices=["uniform", "trained"])
+    parser.add_argument("--peers", nargs="+", default=["torch.compile"],
+                        help="scripts/bench_lce.py providers profiled beside ours, e.g. quack")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -280,7 +307,7 @@ def main(argv=None) -> None:
     for spec in args.cases:
         model, tokens, *tp = spec.split(":")
         case_rows, case_kernels = run_case(model, int(tokens), args.regime, args.out,
-                                           int(tp[0]) if tp else 1)
+                                           int(tp[0]) if tp else 1, tuple(args.peers))
         rows += case_rows
         kernels.update(case_kernels)
     if args.out is not None:
