@@ -25,6 +25,7 @@
 #             makes .qk/ and says why)
 #   cute-bench MODELS=... REP_MS=...: ours, torch.compile and the CuTe peers at N = 4096 and
 #             8192 (REP_MS 100 fits QuACK's compiles into a call; 400 times steadier)
+#   cute-profile ours and the CuTe peers kernel by kernel (profile_default.py --peers), N = 4096
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
@@ -121,6 +122,11 @@ for stage in "$@"; do
                     cce:token_chunk_size=8192 liger-cutedsl} \
                 --rep-ms ${REP_MS:-100} ${BENCH_ARGS:-} --out "$results/cute_bench_$model"
         done
+        ;;
+    cute-profile)
+        run cute_profile ${BENCH_LIMIT:-560} python3 scripts/profile_default.py \
+            --cases ${CASES:-gemma2_2b:4096 llama3_8b:4096 phi3_5_mini:4096} \
+            --peers ${PROVIDERS:-torch.compile quack liger-cute} --out "$results/cute_profile"
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
