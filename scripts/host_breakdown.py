@@ -1,0 +1,262 @@
+"""Where the host's time goes in one step of the default bf16 walk, piece by piece, and what a
+Triton launch costs through each of its three doors. One GPU.
+
+    python scripts/host_breakdown.py --cases phi3_5_mini:4096 llama3_8b:8192:8
+
+For each case (model:tokens[:tensor-parallel ranks], as scripts/profile_default.py reads them)
+it prints the host's ms to enqueue one fwd+bwd step while a sleep kernel holds the GPU (median
+of 7 steps, ``check_targets=False``), and the inclusive host ms per step of the op's pieces:
+the functions of ``PIECES`` wrapped with timers (nested pieces count inside their callers).
+
+``--launches`` then times every Triton kernel the step launched, in microseconds per call with
+the GPU asleep: through our wrapper's whole call (``wrapper``, from the pieces), through
+``kernel[grid](...)`` with the wrapper's arguments (``jit``: triton's binder, specialisation,
+cache lookup and launcher), and through the compiled kernel's own handle (``handle``: the
+launcher alone). The difference says what a leaner launch path could save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import inspect
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
+bench_lce = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lce"] = bench_lce
+_spec.loader.exec_module(bench_lce)
+
+import triton  # noqa: E402
+from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
+
+from fused_lce import (  # noqa: E402
+    api,
+    engine,
+    linear_cross_entropy,  # noqa: E402
+    triton_shard,
+)
+
+# (module, attribute, label): what a step's host time is split into. The kernel wrappers are
+# wrapped where triton_shard looks them up.
+PIECES = (
+    (api, "_dispatch", "whole forward (api._dispatch)"),
+    (api, "validate", "  checks.validate"),
+    (api, "single_device_loss", "  engine.single_device_loss"),
+    (engine, "_walk_token_chunks", "    the walk"),
+    (triton_shard.ExpGradientChunks, "__init__", "      chunks: buffers"),
+    (triton_shard.ExpGradientChunks, "target_logits", "      target_logits"),
+    (triton_shard.ExpGradientChunks, "compute_logits", "      compute_logits"),
+    (triton_shard, "exp_logits", "        exp_logits (GEMM + row sums)"),
+    (engine, "global_statistics", "      global_statistics"),
+    (engine, "_lse_nll", "      _lse_nll"),
+    (engine, "grad_coefficients", "      grad_coefficients"),
+    (triton_shard.ExpGradientChunks, "gradients", "      gradients"),
+    (triton_shard, "repair_exponentials", "        repair_exponentials"),
+    (triton_shard, "row_scales", "        row_scales"),
+    (triton_shard, "mm_into", "        mm_into (cuBLAS)"),
+    (triton_shard, "accumulate_mm", "        accumulate_mm (cuBLAS)"),
+    (triton_shard, "add_target_rows", "        add_target_rows"),
+    (triton_shard, "finish_input_grad", "        finish_input_grad"),
+    (triton_shard.ExpGradientChunks, "finish", "      chunks.finish"),
+    (engine, "token_loss", "    token_loss"),
+    (engine, "reduce_tokens", "    reduce_tokens"),
+    (engine.LCEFunction, "backward", "whole backward (LCEFunction.backward)"),
+    (engine, "_scaled_gradients", "  _scaled_gradients"),
+)
+
+
+class PieceTimer:
+    """Inclusive host seconds per piece, summed over a step."""
+
+    def __init__(self):
+        self.totals = defaultdict(float)
+        self._originals = []
+
+    def install(self) -> None:
+        for owner, name, label in PIECES:
+            original = inspect.getattr_static(owner, name)
+            function = original.__func__ if isinstance(original, staticmethod) else original
+            timed = self._timed(label, function)
+            setattr(owner, name, staticmethod(timed) if isinstance(original, staticmethod)
+                    else timed)
+            self._originals.append((owner, name, original, name in vars(owner)))
+
+    def uninstall(self) -> None:
+        for owner, name, original, own in reversed(self._originals):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # inherited: the base class's shows through again
+        self._originals.clear()
+
+    def _timed(self, label, function):
+        totals = self.totals
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+        return timed
+
+
+class LaunchRecorder:
+    """The arguments of every Triton launch, as ``kernel[grid](...)`` and as the JIT function
+    received them after its heuristics, with the compiled kernel they selected."""
+
+    def __init__(self):
+        self.entries = {}  # kernel name -> (interface, grid, args, kwargs)
+        self.jit_calls = {}  # kernel name -> (jit function, args, kwargs, compiled kernel)
+        self._getitem = KernelInterface.__getitem__
+        self._run = JITFunction.run
+
+    def install(self) -> None:
+        recorder = self
+
+        def getitem(interface, grid):
+            def launch(*args, **kwargs):
+                name = _kernel_name(interface)
+                recorder.entries.setdefault(name, (interface, grid, args, dict(kwargs)))
+                return interface.run(*args, grid=grid, warmup=False, **kwargs)
+            return launch
+
+        def run(jit, *args, grid, warmup, **kwargs):
+            kernel = recorder._run(jit, *args, grid=grid, warmup=warmup, **kwargs)
+            recorder.jit_calls.setdefault(jit.__name__, (jit, grid, args, dict(kwargs), kernel))
+            return kernel
+
+        KernelInterface.__getitem__ = getitem
+        JITFunction.run = run
+
+    def uninstall(self) -> None:
+        KernelInterface.__getitem__ = self._getitem
+        JITFunction.run = self._run
+
+
+def _kernel_name(interface) -> str:
+    while not isinstance(interface, JITFunction) and hasattr(interface, "fn"):
+        interface = interface.fn
+    return getattr(interface, "__name__", repr(interface))
+
+
+def _handle_launch(jit, grid, args, kwargs, kernel):
+    """A call that launches ``kernel`` through its compiled handle with the JIT call's
+    arguments (every parameter of the signature, constexprs included, in order)."""
+    values = dict(zip(jit.arg_names, args))
+    values.update((k, v) for k, v in kwargs.items() if k in jit.arg_names)
+    for param in jit.params:
+        if param.name not in values:
+            values[param.name] = param.default
+    ordered = [values[name] for name in jit.arg_names]
+    runner = kernel[tuple(grid) + (1,) * (3 - len(grid))]
+    return lambda: runner(*ordered)
+
+
+def enqueue_us(fn, calls: int = 50, rounds: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        torch.cuda._sleep(200_000_000)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def make_step(model: str, n_tokens: int, tp: int, **options):
+    cfg = bench_lce.load_model_config(model)
+    vocab = math.ceil(cfg.vocab_size / tp)
+    case = bench_lce.Case(model, n_tokens, vocab, cfg.hidden_size, "trained")
+    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    target = target % vocab
+    h = hidden.requires_grad_()
+    w = weight.requires_grad_()
+
+    def step():
+        h.grad = None
+        w.grad = None
+        linear_cross_entropy(h, w, target, impl="cce", check_targets=False,
+                             **options).backward()
+    return step
+
+
+def host_steps(step, timer: PieceTimer, steps: int = 7):
+    """(median host ms of a step, {piece: median ms per step})."""
+    step()
+    torch.cuda.synchronize()
+    walls, pieces = [], defaultdict(list)
+    for _ in range(steps):
+        torch.cuda._sleep(2_000_000_000)
+        timer.totals.clear()
+        start = time.perf_counter()
+        step()
+        walls.append((time.perf_counter() - start) * 1e3)
+        for label, seconds in timer.totals.items():
+            pieces[label].append(seconds * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(walls), {k: statistics.median(v) for k, v in pieces.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+", default=["phi3_5_mini:4096", "llama3_8b:8192:8"])
+    parser.add_argument("--launches", action="store_true",
+                        help="also time each kernel's launch through its three doors")
+    args = parser.parse_args(argv)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    for spec in args.cases:
+        model, tokens, *tp = spec.split(":")
+        for chunks_label, options in (("default chunks", {}),
+                                      ("one chunk", {"token_chunk_size": int(tokens)})):
+            step = make_step(model, int(tokens), int(tp[0]) if tp else 1, **options)
+            plain_ms, _ = host_steps(step, PieceTimer())
+            timer = PieceTimer()
+            timer.install()
+            try:
+                timed_ms, pieces = host_steps(step, timer)
+            finally:
+                timer.uninstall()
+            print(f"\n## {spec}, {chunks_label}: host ms per step {plain_ms:.2f} "
+                  f"({timed_ms:.2f} with the piece timers)")
+            for _, _, label in PIECES:
+                if label in pieces:
+                    print(f"{label:<48} {pieces[label]:7.3f}")
+            del step
+            torch.cuda.empty_cache()
+    if args.launches:
+        model, tokens, *_ = args.cases[0].split(":")
+        step = make_step(model, int(tokens), 1)
+        recorder = LaunchRecorder()
+        recorder.install()
+        try:
+            step()
+        finally:
+            recorder.uninstall()
+        torch.cuda.synchronize()
+        print(f"\n## launch cost per call, us ({args.cases[0]}): jit = kernel[grid](...), "
+              "handle = the compiled kernel's launcher")
+        for name, (interface, grid, call_args, kwargs) in recorder.entries.items():
+            jit_us = enqueue_us(functools.partial(interface[grid], *call_args, **kwargs))
+            jit, jgrid, jargs, jkwargs, kernel = recorder.jit_calls[name]
+            handle_us = enqueue_us(_handle_launch(jit, jgrid, jargs, jkwargs, kernel))
+            print(f"{name:<32} jit {jit_us:7.1f}   handle {handle_us:7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
