@@ -243,7 +243,9 @@ class ExpGradientChunks(_ChunkGradients):
     """The gradient-in-forward walk on one shard for bf16 inputs (kernels/exp_logits.py): the
     GEMM's epilogue stores a token chunk's exponentials offset by the target logits, with their
     row sums, and cuBLAS takes them as they are for both gradients, scaling rows of the other
-    operand and of the output. Nothing rereads the chunk to normalise it.
+    operand and of the output. Nothing rereads the chunk to normalise it. The target columns'
+    terms of the weight and bias gradients are added once, after the last chunk: one sort and
+    one launch a call, and one rounding of a 16-bit weight gradient.
 
     Its temporaries live in memory idle at the time: the per-tile sums, then the weight
     gradient's scaled operand, in the chunk's rows of the input gradient, which only the
@@ -259,6 +261,10 @@ class ExpGradientChunks(_ChunkGradients):
                                    dtype=hidden.dtype) if any(needs) else None)
         self.all_columns = None  # every row's target column (kernels/exp_logits.py's codes)
         self.columns = self.offsets = self.stats = None  # the current chunk's
+        # Every row's target-column gradient, for the weight and bias gradients' target terms.
+        self.target_grads = (torch.empty(hidden.shape[0], device=hidden.device,
+                                         dtype=torch.float32)
+                             if self.d_weight is not None or self.d_bias is not None else None)
 
     def target_logits(self) -> torch.Tensor:
         inputs, opts = self.inputs, self.opts
@@ -303,9 +309,10 @@ class ExpGradientChunks(_ChunkGradients):
             scaled = self._idle(rows, hidden.dtype, n_rows * d_model)
             scaled = (torch.empty_like(hidden, memory_format=torch.contiguous_format)
                       if scaled is None else scaled.view(n_rows, d_model))
-        scale, target_grad = row_scales(hidden, lse, self.offsets, coefs.p_coef,
-                                        coefs.target_grad, self.columns,
-                                        softcap=opts.softcap, out=scaled)
+        scale, target_grad = row_scales(
+            hidden, lse, self.offsets, coefs.p_coef, coefs.target_grad, self.columns,
+            softcap=opts.softcap, out=scaled,
+            target_grad_out=None if self.target_grads is None else self.target_grads[rows])
         if self.d_weight is not None:
             # Before the input gradient's GEMM, which overwrites ``scaled``'s memory.
             if self.first_chunk:
@@ -314,13 +321,17 @@ class ExpGradientChunks(_ChunkGradients):
                 accumulate_mm(self.d_weight, exps.t(), scaled)
         if self.d_bias is not None:
             accumulate_mv(self.d_bias, exps.t(), scale)
-        if self.d_weight is not None or self.d_bias is not None:
-            add_target_rows(self.d_weight, hidden, target_grad, self.columns, self.d_bias)
         if self.d_hidden is not None:
             grad = self.d_hidden[rows]
             mm_into(grad, exps, weight)
             finish_input_grad(grad, weight, scale, target_grad, self.columns)
         self.first_chunk = False
+
+    def finish(self):
+        if self.target_grads is not None:
+            add_target_rows(self.d_weight, self.inputs.hidden, self.target_grads,
+                            self.all_columns, self.d_bias)
+        return super().finish()
 
     def _idle(self, rows: slice, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         """``numel`` elements of ``dtype`` over the chunk's rows of the input gradient, or None

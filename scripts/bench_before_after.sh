@@ -22,7 +22,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         first=$([[ $tree == base ]] && (cd "$base" && pwd) || echo "")
         (cd "$dir" && PYTHONPATH="$first${first:+:}${PYTHONPATH:-}" \
             timeout "${LIMIT:-240}" python3 scripts/bench_lce.py --models $models \
-            --tokens "${TOKENS:-8192}" --regimes ${REGIMES:-trained} --providers $providers \
+            --tokens ${TOKENS:-8192} --regimes ${REGIMES:-trained} --providers $providers \
             --rep-ms "${REP_MS:-100}") > "$results/${tree}_${round}.log" 2>&1
         echo "=== $tree round $round: exit $?"
         grep -vE "^#|^$|Warning|warn" "$results/${tree}_${round}.log" | tail -n 12

@@ -5,8 +5,9 @@ Triton launch costs through each of its three doors. One GPU.
 
 For each case (model:tokens[:tensor-parallel ranks], as scripts/profile_default.py reads them)
 it prints the host's ms to enqueue one fwd+bwd step while a sleep kernel holds the GPU (median
-of 7 steps, ``check_targets=False``), and the inclusive host ms per step of the op's pieces:
-the functions of ``PIECES`` wrapped with timers (nested pieces count inside their callers).
+of 7 steps, ``check_targets=False``; "alone": one step after the host idled, "back to back":
+the mean over 8 steps in a row, warm caches), and the inclusive host ms per step of the op's
+pieces: the functions of ``PIECES`` wrapped with timers (nested pieces count inside callers).
 
 ``--launches`` then times every Triton kernel the step launched, in microseconds per call with
 the GPU asleep: through our wrapper's whole call (``wrapper``, from the pieces), through
@@ -212,6 +213,22 @@ def host_steps(step, timer: PieceTimer, steps: int = 7):
     return statistics.median(walls), {k: statistics.median(v) for k, v in pieces.items()}
 
 
+def host_steady_ms(step, steps: int = 8, rounds: int = 5) -> float:
+    """Host ms per step over ``steps`` back-to-back steps enqueued behind a sleep kernel: the
+    host's pace once its caches are warm, as in a training loop (median of ``rounds``)."""
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        torch.cuda._sleep(2_000_000_000)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=["phi3_5_mini:4096", "llama3_8b:8192:8"])
@@ -226,14 +243,15 @@ def main(argv=None) -> None:
                                       ("one chunk", {"token_chunk_size": int(tokens)})):
             step = make_step(model, int(tokens), int(tp[0]) if tp else 1, **options)
             plain_ms, _ = host_steps(step, PieceTimer())
+            steady_ms = host_steady_ms(step)
             timer = PieceTimer()
             timer.install()
             try:
                 timed_ms, pieces = host_steps(step, timer)
             finally:
                 timer.uninstall()
-            print(f"\n## {spec}, {chunks_label}: host ms per step {plain_ms:.2f} "
-                  f"({timed_ms:.2f} with the piece timers)")
+            print(f"\n## {spec}, {chunks_label}: host ms per step {plain_ms:.2f} alone "
+                  f"({timed_ms:.2f} with the piece timers), {steady_ms:.2f} back to back")
             for _, _, label in PIECES:
                 if label in pieces:
                     print(f"{label:<48} {pieces[label]:7.3f}")

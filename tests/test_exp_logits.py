@@ -254,6 +254,31 @@ def test_target_rows_summed_once_per_weight_row(with_weight_grad):
         assert ((bf16.double() - exact).abs() <= exact.abs() * 2.0**-8).all()
 
 
+def test_a_frequent_targets_run_spans_many_tail_steps():
+    # A Zipf vocabulary's first token: hundreds of rows share one column, a run longer than
+    # the launcher's piece plus several of its tail steps; the rows before and after it and
+    # the ignored ones must not leak into it.
+    gen = torch.Generator().manual_seed(13)
+    n_rows, d_model, n_cols = 701, 45, 9
+    hidden = torch.randn(n_rows, d_model, generator=gen).bfloat16()
+    columns = torch.where(torch.rand(n_rows, generator=gen) < 0.7, 4,
+                          torch.randint(0, n_cols, (n_rows,), generator=gen))
+    columns[torch.rand(n_rows, generator=gen) < 0.05] = IGNORED
+    columns = columns.to(torch.int32)
+    coef = torch.randn(n_rows, generator=gen)
+    owned = columns >= 0
+    assert (columns == 4).sum() > 32 + 3 * 64
+    start = torch.randn(n_cols, d_model, generator=gen)
+    expected = start.double().index_add(0, columns[owned].long(),
+                                        coef.double()[owned, None] * hidden.double()[owned])
+    expected_bias = torch.zeros(n_cols, dtype=torch.float64).index_add(
+        0, columns[owned].long(), coef.double()[owned])
+    weight_grad, bias_grad = start.clone(), torch.zeros(n_cols)
+    add_target_rows(weight_grad, hidden, coef, columns, bias_grad)
+    torch.testing.assert_close(weight_grad.double(), expected, rtol=RTOL, atol=1e-4)
+    torch.testing.assert_close(bias_grad.double(), expected_bias, rtol=RTOL, atol=1e-5)
+
+
 def test_launchers_name_a_bad_argument():
     hidden, weight, bias, target = _problem(70, seed=12)
     columns = _columns64(target, 0).to(torch.int32)

@@ -263,14 +263,24 @@ def _repair_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, lse_ptr, offset_ptr, column_ptr,
     n_rows, n_cols, d_model, stride_xn, stride_xd, stride_wv, stride_wd, stride_out, softcap,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr,
+    PROGRAMS: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr, ROUND_OUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    # Each program checks every row tile and returns: rows out of range are rare (a loss over
-    # 55 nats, non-finite logits). Their tiles are recomputed and stored against the lse instead,
-    # so E becomes the softmax itself (row_scales then takes the lse as the offset). Through
-    # pointers: the launch that usually does nothing pays for no tensor descriptors.
+    # Rows out of range are rare (a loss over 55 nats, non-finite logits): each program looks
+    # for one in wide blocks and returns where there is none. Their tiles are recomputed and
+    # stored against the lse instead, so E becomes the softmax itself (row_scales then takes the
+    # lse as the offset). Through pointers: the launch that usually does nothing pays for no
+    # tensor descriptors.
+    any_bad = 0
+    for check0 in range(0, n_rows, CHECK):
+        checked = check0 + tl.arange(0, CHECK)
+        in_rows = checked < n_rows
+        lse = tl.load(lse_ptr + checked, mask=in_rows, other=0.0)
+        offset = tl.load(offset_ptr + checked, mask=in_rows, other=0.0)
+        any_bad += tl.sum((in_rows & _out_of_range(lse, offset)).to(tl.int32), axis=0)
+    if any_bad == 0:
+        return
     for row_tile in range(0, tl.cdiv(n_rows, BLOCK_N)):
         row0 = row_tile * BLOCK_N
         rows = (row0 + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -362,14 +372,15 @@ def _finish_input_grad_kernel(
 def _add_target_rows_kernel(
     grad_ptr, x_ptr, bias_grad_ptr, sorted_column_ptr, order_ptr, target_grad_ptr,
     n_rows, d_model, stride_gv, stride_xn, stride_xd,
-    PIECE: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHT_GRAD: tl.constexpr,
-    HAS_BIAS_GRAD: tl.constexpr, ROUND_OUT: tl.constexpr,
+    PIECE: tl.constexpr, TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WEIGHT_GRAD: tl.constexpr, HAS_BIAS_GRAD: tl.constexpr, ROUND_OUT: tl.constexpr,
 ):
     # Grid (piece of PIECE sorted positions, D block). Each run of equal targets is summed by the
     # piece where it starts: its part in the piece through a same-target mask product, the rest
-    # (only a piece's last run can go on) piece by piece after it. Fixed order, fp32, one
-    # rounding of each weight row: deterministic, and a frequent token's long run costs a few
-    # steps of one program rather than a program per row.
+    # (only a piece's last run can go on) TAIL positions a step after it. Fixed order, fp32, one
+    # rounding of each weight row: deterministic. A frequent token's run is long (a Zipf
+    # vocabulary's first token holds about a tenth of the tokens): each step of its tail waits
+    # on two dependent loads, so the steps are wide.
     positions = tl.program_id(0) * PIECE + tl.arange(0, PIECE)
     in_range = positions < n_rows
     column = tl.load(sorted_column_ptr + positions, mask=in_range, other=-1)
@@ -397,7 +408,7 @@ def _add_target_rows_kernel(
     tail_coef = 0.0
     next_start = tail_start
     while follows:
-        later = next_start + tl.arange(0, PIECE)
+        later = next_start + tl.arange(0, TAIL)
         in_run = (later < n_rows) & (
             tl.load(sorted_column_ptr + later, mask=later < n_rows, other=-1) == last)
         later_rows = tl.load(order_ptr + later, mask=in_run, other=0).to(tl.int64)
@@ -407,9 +418,9 @@ def _add_target_rows_kernel(
             later_x = tl.load(x_ptr + later_rows[:, None] * stride_xn + d[None, :] * stride_xd,
                               mask=in_run[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
             tail += tl.sum(later_coef[:, None] * later_x, axis=0)
-        next_start += PIECE
-        # A run is contiguous: it goes on only if it filled this piece.
-        follows = tl.sum(in_run.to(tl.int32), axis=0) == PIECE
+        next_start += TAIL
+        # A run is contiguous: it goes on only if it filled this step.
+        follows = tl.sum(in_run.to(tl.int32), axis=0) == TAIL
     column = column.to(tl.int64)
     if HAS_WEIGHT_GRAD:
         sums += tl.where(is_last_run, tail[None, :], 0.0)
@@ -599,18 +610,19 @@ def repair_exponentials(hidden, weight, bias, columns, offset, lse, out, *,
         n_rows, n_cols, d_model, hidden.stride(0), hidden.stride(1), weight.stride(0),
         weight.stride(1), out.stride(0), softcap,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, PROGRAMS=programs,
-        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        CHECK=64 if INTERPRET else 2048, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
         ROUND=round_code(hidden.dtype, round_16bit), ROUND_OUT=_out_round(out.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def row_scales(hidden, lse, offset, p_coef, target_grad, columns, *, softcap: float | None,
-               out: torch.Tensor | None = None):
+               out: torch.Tensor | None = None, target_grad_out: torch.Tensor | None = None):
     """(s, g), (N,) fp32 each: s_n = p_coef exp(offset - lse), which turns a row of E into G's,
     and g_n, the target column's gradient (times the cap's derivative; 0 where this shard does
-    not own the target). With ``out`` (rows x D, unit column stride) also s * hidden, rounded to
-    out's dtype: the weight gradient's right-hand operand."""
+    not own the target), written into ``target_grad_out`` where given. With ``out`` (rows x D,
+    unit column stride) also s * hidden, rounded to out's dtype: the weight gradient's
+    right-hand operand."""
     # Check constraints.
     n_rows, d_model = hidden.shape
     _check_row_vectors(n_rows, columns, lse=lse, offset=offset, p_coef=p_coef,
@@ -618,7 +630,10 @@ def row_scales(hidden, lse, offset, p_coef, target_grad, columns, *, softcap: fl
     if out is not None:
         _check_rows("out", out, n_rows, d_model)
     scale = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
-    target_grad_out = torch.empty_like(scale)
+    if target_grad_out is None:
+        target_grad_out = torch.empty_like(scale)
+    else:
+        check_vector("target_grad_out", target_grad_out, n_rows, (torch.float32,))
     block_n, block_d = (16, 128) if INTERPRET else (8, 512)
     if n_rows > 0:
         _row_scales_kernel[(triton.cdiv(n_rows, block_n),)](
@@ -663,11 +678,12 @@ def add_target_rows(weight_grad, hidden, target_grad, columns, bias_grad=None) -
     if n_rows == 0 or (weight_grad is None and bias_grad is None):
         return
     sorted_columns, order = torch.sort(columns, stable=True)
-    piece, block_d = 32, (256 if INTERPRET else 128)
+    # A tail step of 128 x 64 fp32 is 32 registers a thread in 8 warps.
+    piece, tail, block_d = (32, 64, 256) if INTERPRET else (32, 128, 64)
     d_blocks = 1 if weight_grad is None else triton.cdiv(d_model, block_d)
     _add_target_rows_kernel[(triton.cdiv(n_rows, piece), d_blocks)](
         weight_grad, hidden, bias_grad, sorted_columns, order, target_grad,
         n_rows, d_model, 0 if weight_grad is None else weight_grad.stride(0),
-        hidden.stride(0), hidden.stride(1), PIECE=piece, BLOCK_D=block_d,
-        ROUND_OUT=0 if weight_grad is None else _out_round(weight_grad.dtype), num_warps=4,
+        hidden.stride(0), hidden.stride(1), PIECE=piece, TAIL=tail, BLOCK_D=block_d,
+        ROUND_OUT=0 if weight_grad is None else _out_round(weight_grad.dtype), num_warps=8,
     )
