@@ -35,10 +35,10 @@ from .terms import (
     GradCoefficients,
     grad_coefficients,
     loss_gradient_per_token,
+    lse_and_nll,
     reduce_tokens,
     refuse_double_backward,
     refuse_function_transforms,
-    target_nll,
     token_loss,
 )
 
@@ -458,10 +458,15 @@ def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan 
     )
 
 
-def _lse_nll(stats: ShardStatistics):
-    """(lse, nll, row_sum) per token from the global statistics."""
-    lse = stats.row_max + torch.log(stats.sum_exp)
-    return lse, target_nll(stats.row_max, stats.sum_exp, stats.target_logit), stats.row_sum
+def _lse_nll(stats: ShardStatistics, out: tuple | None = None):
+    """(lse, nll, row_sum) per token from the global statistics, into ``out``'s three vectors
+    where given (row_sum's may be None)."""
+    lse, nll = lse_and_nll(stats.row_max, stats.sum_exp, stats.target_logit,
+                           None if out is None else out[:2])
+    row_sum = stats.row_sum
+    if out is not None and row_sum is not None:
+        row_sum = out[2].copy_(row_sum)
+    return lse, nll, row_sum
 
 
 def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
@@ -482,15 +487,14 @@ def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, nee
         chunks.compute_logits(rows, None if offsets is None else offsets[rows])
         # The host waits for the check while the GPU computes the first chunk's logits.
         _read_target_check(call)
-        lse, nll, row_sum = _lse_nll(global_statistics(chunks.statistics(rows), call.reducer))
+        stats = global_statistics(chunks.statistics(rows), call.reducer)
+        if kept is None:
+            kept = tuple(None if x is None else x.new_empty(n_rows)
+                         for x in (stats.sum_exp, stats.sum_exp, stats.row_sum))
+        lse, nll, row_sum = _lse_nll(stats, tuple(None if x is None else x[rows] for x in kept))
         if assumed is not None:
             coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, opts)
             chunks.gradients(rows, lse, coefs)
-        if kept is None:
-            kept = tuple(None if x is None else x.new_empty(n_rows) for x in (lse, nll, row_sum))
-        for whole, part in zip(kept, (lse, nll, row_sum)):
-            if whole is not None:
-                whole[rows] = part
     return kept, chunks.finish()
 
 

@@ -47,7 +47,20 @@ def target_nll(
     """``-log p_y = (m - z_y) + log sum exp(z - m)`` per token (module docstring: why this form).
 
     ``row_max`` and ``target_logit`` must come from the same computation of the logits."""
-    return (row_max - target_logit) + torch.log(sum_exp)
+    return lse_and_nll(row_max, sum_exp, target_logit)[1]
+
+
+def lse_and_nll(
+    row_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, ``target_nll``) per token, one log for both, written into ``out`` where given (the
+    token walk's slices of its per-token results: no copy after)."""
+    log_sum = torch.log(sum_exp)
+    if out is None:  # out of place: the reference impl differentiates through this
+        return row_max + log_sum, (row_max - target_logit) + log_sum
+    lse = torch.add(row_max, log_sum, out=out[0])
+    return lse, torch.sub(row_max, target_logit, out=out[1]).add_(log_sum)
 
 
 def token_loss(

@@ -1,0 +1,108 @@
+"""The lean mode's distance to its roofline: each of its GEMMs' rate against cuBLAS's at the
+same shape, and what the mode would take with its Triton GEMMs at cuBLAS's rate. One GPU.
+
+    python scripts/lean_roofline.py [--cases gemma2_2b:8192 llama3_8b:8192 phi3_5_mini:8192]
+
+The lean mode (``scratch_mb=12``, under 16 MiB) stores no logits, so it computes them twice:
+the forward's Triton GEMM with the log-sum-exp in its epilogue (``_lse_forward_kernel``), and
+the backward's Triton GEMM that recomputes a chunk of logits and writes their gradient
+(``_grad_logits_kernel``), then two cuBLAS GEMMs per chunk for the input and weight gradients.
+Four N x V x D GEMMs where the default mode runs three.
+
+For each case it prints: the lean step's and torch.compile's fwd+bwd ms (back-to-back steps,
+CUDA events); from one profiled window, each GEMM family's GPU ms per step and TFLOP/s
+(2 N V D each) beside cuBLAS's rate for the logits GEMM at N rows; the four-GEMM floor at
+cuBLAS's rate; and the lean step with its two Triton GEMMs replaced by that rate (the rest
+unchanged), as a multiple of torch.compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("profile_default", HERE / "profile_default.py")
+profile_default = importlib.util.module_from_spec(_spec)
+sys.modules["profile_default"] = profile_default
+_spec.loader.exec_module(profile_default)
+bench_lce = profile_default.bench_lce
+
+from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
+
+FAMILIES = (  # (label, substrings of kernel names)
+    ("forward Triton GEMM (lse)", ("_lse_forward_kernel",)),
+    ("backward Triton GEMM (recompute + G)", ("_grad_logits_kernel",)),
+    ("cuBLAS (dX, dW)", ("nvjet", "gemm", "xmma", "cutlass", "sm90_")),
+)
+
+
+def family(name: str) -> str:
+    for label, needles in FAMILIES:
+        if any(n in name for n in needles):
+            return label
+    return "other"
+
+
+def run_case(model: str, n_tokens: int) -> dict:
+    cfg = bench_lce.load_model_config(model)
+    case = bench_lce.Case(model, n_tokens, cfg.vocab_size, cfg.hidden_size, "trained")
+    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    h = hidden.requires_grad_()
+    w = weight.requires_grad_()
+    lean = profile_default.step_fn(h, w, target, scratch_mb=LEAN_SCRATCH_MB)
+    lean_mib = profile_default.extra_memory_mib(lean, h, w)
+    lean_ms = bench_lce.steps_median_ms(lean)
+    compiled = profile_default.step_fn(h, w, target,
+                                       compiled=torch.compile(bench_lce.torch_loss))
+    compiled(), compiled()
+    compile_ms = bench_lce.steps_median_ms(compiled)
+    _, kernels, _ = profile_default.kernel_breakdown(lean)
+    per_family = {}
+    for name, entry in kernels.items():
+        label = family(name)
+        per_family[label] = per_family.get(label, 0.0) + entry["ms_per_step"]
+    rate = bench_lce.gemm_ceiling(case, torch.bfloat16, 100)  # TFLOP/s of cuBLAS's mm
+    gemm_tflop = 2 * n_tokens * cfg.vocab_size * cfg.hidden_size / 1e12
+    cublas_ms = gemm_tflop / rate * 1e3
+    triton_ms = sum(per_family.get(label, 0.0) for label, _ in FAMILIES[:2])
+    row = {"case": f"{model}:{n_tokens}", "lean_ms": lean_ms, "lean_mib": lean_mib,
+           "torch.compile_ms": compile_ms, "lean / torch.compile": lean_ms / compile_ms,
+           "cuBLAS TFLOP/s": rate, "four-GEMM floor ms": 4 * cublas_ms,
+           "floor / torch.compile": 4 * cublas_ms / compile_ms}
+    for label, _ in FAMILIES:
+        ms = per_family.get(label, 0.0)
+        gemms = 2 if label.startswith("cuBLAS") else 1
+        row[f"{label} ms"] = ms
+        row[f"{label} TFLOP/s"] = gemms * gemm_tflop / (ms / 1e3) if ms else math.nan
+    row["other ms"] = per_family.get("other", 0.0)
+    at_cublas = lean_ms - triton_ms + 2 * cublas_ms
+    row["lean with cuBLAS-rate Triton GEMMs ms"] = at_cublas
+    row["that / torch.compile"] = at_cublas / compile_ms
+    del hidden, weight, target, h, w
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+",
+                        default=["gemma2_2b:8192", "llama3_8b:8192", "phi3_5_mini:8192"])
+    args = parser.parse_args(argv)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for spec in args.cases:
+        model, tokens = spec.split(":")
+        row = run_case(model, int(tokens))
+        print("\n## " + row.pop("case"))
+        for key, value in row.items():
+            print(f"{key:<48} {value:9.3f}" if isinstance(value, float) else f"{key} {value}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
