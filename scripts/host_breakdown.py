@@ -32,10 +32,19 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
-bench_lce = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lce"] = bench_lce
-_spec.loader.exec_module(bench_lce)
+
+
+def _script(name: str):
+    """A sibling script as a module (scripts import no other script by name)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_lce = _script("bench_lce")
+enqueue_us = _script("host_overhead").enqueue_us
 
 import triton  # noqa: E402
 from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
@@ -165,20 +174,6 @@ def _handle_launch(jit, grid, args, kwargs, kernel):
     return lambda: runner(*ordered)
 
 
-def enqueue_us(fn, calls: int = 50, rounds: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        torch.cuda._sleep(200_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def make_step(model: str, n_tokens: int, tp: int, **options):
     cfg = bench_lce.load_model_config(model)
     vocab = math.ceil(cfg.vocab_size / tp)
@@ -213,20 +208,10 @@ def host_steps(step, timer: PieceTimer, steps: int = 7):
     return statistics.median(walls), {k: statistics.median(v) for k, v in pieces.items()}
 
 
-def host_steady_ms(step, steps: int = 8, rounds: int = 5) -> float:
+def host_steady_ms(step, steps: int = 8) -> float:
     """Host ms per step over ``steps`` back-to-back steps enqueued behind a sleep kernel: the
-    host's pace once its caches are warm, as in a training loop (median of ``rounds``)."""
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        torch.cuda._sleep(2_000_000_000)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - start) / steps * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    host's pace once its caches are warm, as in a training loop."""
+    return enqueue_us(step, calls=steps, rounds=5, sleep_cycles=2_000_000_000) / 1e3
 
 
 def main(argv=None) -> None:

@@ -36,12 +36,14 @@ def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
-def enqueue_us(fn, calls: int = 50, rounds: int = 7) -> float:
+def enqueue_us(fn, calls: int = 50, rounds: int = 7, sleep_cycles: int = 200_000_000) -> float:
+    """Host microseconds per call of ``fn``, ``calls`` in a row behind a sleep kernel of
+    ``sleep_cycles`` (the default, about 0.1 s, outlasts 50 launches), median of ``rounds``."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):
-        torch.cuda._sleep(200_000_000)  # about 0.1 s: longer than the calls take to enqueue
+        torch.cuda._sleep(sleep_cycles)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()

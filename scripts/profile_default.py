@@ -52,6 +52,9 @@ CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
     ("statistics", ("_row_statistics_kernel",)),
     ("G pass", ("_grad_in_place_kernel",)),
     ("exp GEMM", ("_exp_logits_kernel",)),
+    # The lean mode's Triton GEMMs (scripts/lean_roofline.py).
+    ("lse forward", ("_lse_forward_kernel",)),
+    ("grad logits", ("_grad_logits_kernel",)),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
 )
 
