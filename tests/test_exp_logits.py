@@ -204,6 +204,16 @@ def test_row_scales_and_the_scaled_operand(softcap):
     torch.testing.assert_close(tgrad.double(), expected_t, rtol=RTOL, atol=0)
     torch.testing.assert_close(out, (expected[:, None] * hidden.double()).bfloat16(),
                                rtol=0, atol=0)
+    # Into a caller's buffer (the walk keeps every row's for the target terms after the walk).
+    buffer = torch.full((N + 5,), float("nan"))
+    _, into = row_scales(hidden, lse, offsets, p_coef, target_grad, columns, softcap=softcap,
+                         target_grad_out=buffer[2:N + 2])
+    assert into.data_ptr() == buffer[2:].data_ptr()
+    torch.testing.assert_close(buffer[2:N + 2], tgrad, rtol=0, atol=0)
+    assert buffer[:2].isnan().all() and buffer[N + 2:].isnan().all()
+    with pytest.raises(TypeError, match="target_grad_out must have dtype torch.float32"):
+        row_scales(hidden, lse, offsets, p_coef, target_grad, columns, softcap=softcap,
+                   target_grad_out=torch.empty(N, dtype=torch.float64))
 
 
 def test_finish_input_grad():
