@@ -41,7 +41,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
                            device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[str]:
     """The walk on ``device`` (tests/test_parallel_one_gpu.py runs it with every rank on one
-    GPU), against fp64 on the CPU."""
+    GPU; "cuda": each rank on its own, tests/test_parallel_gpu.py), against fp64 on the CPU."""
+    if device == "cuda":
+        device = f"cuda:{rank}"
     errors = []
     walks, recomputes = [], []
     original = engine._walk_token_chunks
@@ -95,3 +97,62 @@ def test_vocab_shards_walk_together_and_match_fp64(world, sequence_parallel, tmp
 def test_bf16_shards_share_the_target_logits_and_match_fp64(world, sequence_parallel, tmp_path):
     run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cpu", torch.bfloat16,
                  out_dir=tmp_path, timeout_s=90, interpret=True)
+
+
+def _shard_partials(hidden, weight, target, bounds):
+    """fp64 d(sum loss)/d(hidden) through each shard's logits alone (the others held fixed):
+    what each rank's walk sums into the input gradient."""
+    partials = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        h = hidden.double().requires_grad_()
+        logits = h @ weight.double().t()
+        own = torch.zeros(logits.shape[1], dtype=torch.bool)
+        own[lo:hi] = True
+        logits = torch.where(own, logits, logits.detach())
+        torch.nn.functional.cross_entropy(logits, target, reduction="sum").backward()
+        partials.append(h.grad)
+    return partials
+
+
+def unequal_upstream_suite(rank: int, world: int, sequence_parallel: bool) -> list[str]:
+    """Each rank scales its loss by its own factor: the input gradient is what each rank's own
+    scale of its own partial sums to (as megatron's backward all-reduces the ranks' partials),
+    with no recompute. A walk that summed the partials over the ranks in the forward, before
+    the scales are known, would hold for one common scale only (docs/benchmarks/
+    vocab_parallel_h200x4_202611.md, 2026-11-27)."""
+    errors, recomputes = [], []
+    engine.warn_recompute = lambda where: recomputes.append(where)
+    hidden, weight, target, _ = _problem(torch.float32)
+    bounds = [V * r // world for r in range(world + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    rows = N // world
+    h = hidden[rank * rows:(rank + 1) * rows] if sequence_parallel else hidden
+    h = h.clone().requires_grad_()
+    w = weight[lo:hi].clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(
+        h, w, target, reduction="sum", sequence_parallel=sequence_parallel, token_chunk_size=7,
+        impl="cce",
+    )
+    (loss * (rank + 1)).backward()
+    partials = _shard_partials(hidden, weight, target, bounds)
+    ref_h = sum((r + 1) * partial for r, partial in enumerate(partials))
+    if sequence_parallel:
+        ref_h = ref_h[rank * rows:(rank + 1) * rows]
+    w64 = weight.double().requires_grad_()
+    torch.nn.functional.cross_entropy(hidden.double() @ w64.t(), target, reduction="sum").backward()
+    ref_w = (rank + 1) * w64.grad[lo:hi]
+    if recomputes:
+        errors.append(f"tp={world} rank={rank}: recomputes {recomputes}, expected none")
+    for label, ours, ref in (("input", h.grad, ref_h), ("weight", w.grad, ref_w)):
+        err = ((ours.double() - ref).abs().max() / ref.abs().max()).item()
+        if not err < TOLERANCE[torch.float32]:
+            errors.append(f"tp={world} rank={rank} {label}: rel err {err:.2e}")
+    dist.barrier()
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_ranks_with_their_own_upstream_scale(world, sequence_parallel, tmp_path):
+    run_on_ranks(world, unequal_upstream_suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
+                 interpret=True)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers_agreement import disagreement_suite
 from helpers_parallel import case, run_cases, run_on_ranks
+from test_forward_grad_parallel import vocab_shard_walk_suite
 
 pytestmark = pytest.mark.requires_gpus(2)
 
@@ -75,3 +76,16 @@ def test_every_rank_raises_when_ranks_disagree_nccl(impl, tmp_path):
     # The process-group timeout leaves room for the first call's kernel compilation.
     run_on_ranks(2, disagreement_suite, "cuda", impl, out_dir=tmp_path, backend="nccl",
                  timeout_s=120, interpret=False)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [pytest.param(2, id="tp2"),
+                                   pytest.param(4, id="tp4", marks=pytest.mark.requires_gpus(4))])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_gradient_walk_nccl(world, sequence_parallel, dtype, tmp_path):
+    """The token walk on NCCL, in chunks of 7 rows (which cross the ranks' sequence slices
+    under SP): a masked "none" loss keeps the forward's gradients, another upstream gradient
+    recomputes on every rank, each against fp64."""
+    run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cuda", dtype,
+                 out_dir=tmp_path, backend="nccl", timeout_s=300, interpret=False)
