@@ -28,13 +28,18 @@ Providers:
   GEMMs; the backward only scales and reduces the input gradient. Called as the megatron
   adapter calls it: the even shard layout given and no target range check (no device sync; the
   per-call agreement of the ranks is one small all-gather on the host, parallel/agreement.py).
+- ``ours-masked``: the same as Megatron's loss function calls it: ``reduction="none"`` with the
+  loss mask (every token) as ``loss_mask``, then ``sum(losses * mask) / sum(mask)``; the backward
+  checks that the upstream gradient is the assumed one (one small all-reduce, one host read).
 - ``ours-gemm``: the same with ``backward="gemm"``: statistics in the forward, each shard's
   logits recomputed in the backward (four GEMMs; the default before 2026-11-23).
 - ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
 - ``ours-kept``: the same with ``recompute_logits=False``: the forward keeps each shard's logits
   as 16-bit exponentials (N x V_local x 2 bytes) and the backward does not recompute them.
-- ``collectives``: only our layer's collectives, with its sizes and dtypes and no compute (TP > 1):
-  the most that overlapping them with compute could save.
+- ``collectives``: only the collectives of ``ours``, with its sizes, dtypes and token chunks and
+  no compute (TP > 1): the most that overlapping them with compute could save. (Before
+  2026-11-27 it timed the budget of the statistics-then-backward path: one chunk of N rows,
+  and with SP the backward's re-gather of the input.)
 - ``megatron-fused`` (when megatron-core is installed): megatron's fastest loss, what
   ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl native`` runs: the input enters as
   for ``megatron`` below, logits = hidden @ weight_shard.T stay in bf16, then
@@ -84,8 +89,8 @@ from fused_lce.options import LEAN_SCRATCH_MB
 from lce_train.configs import known_models, load_model_config
 
 MIB = 2**20
-PROVIDERS = ("ours", "ours-gemm", "ours-lean", "ours-kept", "megatron-fused", "megatron",
-             "torch-logits-vp", "collectives")
+PROVIDERS = ("ours", "ours-masked", "ours-gemm", "ours-lean", "ours-kept", "megatron-fused",
+             "megatron", "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
 SMOKE_SHAPE = (48, 32, 1003)
 
@@ -216,6 +221,15 @@ def megatron_fused_loss(hidden, weight, target, *, sp, softcap):
     # Megatron's layout: [sequence, batch, vocab shard]; one sequence of every token here.
     return fused_vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1),
                                               group).mean()
+
+
+def _masked_mean(loss_fn):
+    """Megatron's loss function around per-token losses: sum(losses * mask) / sum(mask), the mask
+    (every token counted) passed to ours as ``loss_mask``, as the megatron adapter passes it."""
+    def masked(h, w, t):
+        mask = torch.ones(t.shape, dtype=torch.float32, device=t.device)
+        return (loss_fn(h, w, t, loss_mask=mask) * mask).sum() / mask.sum()
+    return masked
 
 
 def megatron_available() -> bool:
@@ -377,14 +391,18 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     def ours(**extra):
         # As the megatron adapter calls it: the even layout is known and targets are not
         # range-checked (no device sync), as megatron's own loss does not.
-        return lambda h, w, t: vocab_parallel_linear_cross_entropy(
-            h, w, t, group=group, vocab_start_index=vocab_start, vocab_size=v_rows,
-            sequence_parallel=sp, softcap=softcap, impl=args.impl, check_targets=False, **extra
-        )
+        def loss(h, w, t, **more):
+            return vocab_parallel_linear_cross_entropy(
+                h, w, t, group=group, vocab_start_index=vocab_start, vocab_size=v_rows,
+                sequence_parallel=sp, softcap=softcap, impl=args.impl, check_targets=False,
+                **{**extra, **more})
+        return loss
 
     table = {}
     if "ours" in names:
         table["ours"] = ours()
+    if "ours-masked" in names:
+        table["ours-masked"] = _masked_mean(ours(reduction="none", loss_mask=None))
     if "ours-gemm" in names:
         table["ours-gemm"] = ours(backward="gemm")
     if "ours-lean" in names:
@@ -404,28 +422,35 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     return table
 
 
-def measure_collectives(n_tokens, d, dtype, group, sp, args, device) -> dict:
-    """Our layer's collectives alone, with its sizes and dtypes (the module docstring of
-    parallel/vocab_parallel.py): what overlapping them with compute could save at most."""
+def measure_collectives(n_tokens, d, v_local, dtype, group, sp, args, device) -> dict:
+    """The collectives of ``ours`` (the default walk) alone, with its sizes and dtypes (the module
+    docstring of parallel/vocab_parallel.py): what overlapping them with compute could save at
+    most. The walk's chunks are the op's own plan for this shard."""
+    from fused_lce.forward_grad import plan_forward_gradients
+    from fused_lce.options import LCEOptions
     from fused_lce.parallel import comm
 
     tp = dist.get_world_size(group)
+    plan = plan_forward_gradients(LCEOptions(), n_tokens, v_local, d, dtype.itemsize, True, dtype)
     hidden = torch.zeros(n_tokens // tp if sp else n_tokens, d, dtype=dtype, device=device)
-    row_max = torch.zeros(n_tokens, dtype=torch.float32, device=device)
-    packed_sums = torch.zeros(2 * n_tokens, dtype=torch.float32, device=device)
+    offsets = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    row_max = torch.zeros(plan.chunk_rows, dtype=torch.float32, device=device)
+    packed_sums = torch.zeros(2 * plan.chunk_rows, dtype=torch.float32, device=device)
     d_hidden = torch.zeros(n_tokens, d, dtype=torch.float32, device=device)
     timer = Timer(device)
 
     def forward():
         if sp:
             comm.all_gather_first_dim(hidden, group)
-        comm.all_reduce_max_(row_max, group)
-        comm.all_reduce_sum_(packed_sums, group)
+        if plan.exponentials:
+            comm.all_reduce_sum_(offsets, group)
+        for _ in range(0, n_tokens, plan.chunk_rows):
+            comm.all_reduce_max_(row_max, group)
+            comm.all_reduce_sum_(packed_sums, group)
 
     def forward_backward():
         forward()
         if sp:
-            comm.all_gather_first_dim(hidden, group)
             comm.reduce_scatter_first_dim(d_hidden, group)
         else:
             comm.all_reduce_sum_(d_hidden, group)
@@ -556,8 +581,8 @@ def main(argv=None) -> None:
                         chosen["collectives"] = None
                     for name, fn in chosen.items():
                         if fn is None:
-                            result = measure_collectives(n_tokens, d, dtype, group, sp == "on",
-                                                         args, device)
+                            result = measure_collectives(n_tokens, d, v_local, dtype, group,
+                                                         sp == "on", args, device)
                         else:
                             result = measure(fn, local, shard, target, args, device)
                         result = worst_over_ranks(result, device)
