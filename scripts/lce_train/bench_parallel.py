@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fused_lce.options import LEAN_SCRATCH_MB
+from fused_lce.options import LEAN_SCRATCH_MB, LCEOptions
 from lce_train.configs import known_models, load_model_config
 
 MIB = 2**20
@@ -427,7 +427,6 @@ def measure_collectives(n_tokens, d, v_local, dtype, group, sp, args, device) ->
     docstring of parallel/vocab_parallel.py): what overlapping them with compute could save at
     most. The walk's chunks are the op's own plan for this shard."""
     from fused_lce.forward_grad import plan_forward_gradients
-    from fused_lce.options import LCEOptions
     from fused_lce.parallel import comm
 
     tp = dist.get_world_size(group)
