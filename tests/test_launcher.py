@@ -537,3 +537,25 @@ def test_eval_and_probes_on_text_leave_training_unchanged(tmp_path):
         assert 0 < probe["unseen_mass"] < 1 and probe["tokens"] == 64
     # The probe's loss is the training loss of its micro-batch (one micro-batch per step).
     assert probes[1]["loss"] == pytest.approx(records[0]["loss"], rel=1e-5)
+
+
+def test_kernel_busy_time_is_the_union_of_kernel_intervals():
+    from lce_train.step_profile import kernel_busy_ms
+
+    events = [{"cat": "kernel", "ts": 0, "dur": 100}, {"cat": "kernel", "ts": 50, "dur": 100},
+              {"cat": "kernel", "ts": 400, "dur": 100}, {"cat": "cpu_op", "ts": 0, "dur": 999},
+              {"cat": "kernel", "ts": 140, "dur": 5}]
+    assert kernel_busy_ms({"traceEvents": events}) == pytest.approx(0.25)  # 150 + 100 us
+    assert kernel_busy_ms({"traceEvents": events[3:4]}) is None
+
+
+@two_ranks
+def test_profile_step_writes_each_ranks_trace_and_summary(tmp_path):
+    out = tmp_path / "profile"
+    _torchrun("pretrain_gpt.py", *TINY, "--train-iters", "2", "--tensor-model-parallel-size", "2",
+              "--cross-entropy-fusion-impl", "cce", "--profile-step", "2", "--profile-dir",
+              str(out))
+    for rank in (0, 1):
+        summary = (out / f"step2_rank{rank}.txt").read_text()
+        assert summary.startswith(f"# step 2, rank {rank}:") and "LCEFunction" in summary
+        assert json.loads((out / f"step2_rank{rank}.json").read_text())["traceEvents"]

@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-json", default=None,
                    help="also append one JSON object per step to this file")
+    g.add_argument("--profile-step", type=int, default=None,
+                   help="trace this step with torch.profiler: each rank writes a Chrome trace "
+                        "and a summary (GPU busy time, the costliest ops) into --profile-dir")
+    g.add_argument("--profile-dir", default="profile",
+                   help="where --profile-step writes (default: ./profile)")
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved configuration and layout, build nothing")
 

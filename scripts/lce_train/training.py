@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lce_train import step_profile
 from lce_train.arguments import describe, parse_args
 from lce_train.checkpoint import load_checkpoint, save_checkpoint
 from lce_train.data import training_data, validation_data
@@ -133,6 +134,7 @@ def train(args, log=print) -> list[dict]:
                 group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            profiler = step_profile.start() if step == args.profile_step else None
             t0 = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
@@ -154,6 +156,8 @@ def train(args, log=print) -> list[dict]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
+            if profiler is not None:
+                say(f"profile     {step_profile.finish(profiler, args.profile_dir, step, step_s)}")
 
             loss = float("nan")
             if last_stage:
