@@ -549,13 +549,22 @@ def test_kernel_busy_time_is_the_union_of_kernel_intervals():
     assert kernel_busy_ms({"traceEvents": events[3:4]}) is None
 
 
+@pytest.mark.parametrize("step", [0, 4])
+def test_profile_step_must_be_a_step_of_the_run(step):
+    with pytest.raises(SystemExit, match=f"--profile-step {step} must be a step of this run"):
+        arguments.parse_args([*TINY, "--train-iters", "3", "--profile-step", str(step),
+                              "--dry-run"])
+
+
 @two_ranks
 def test_profile_step_writes_each_ranks_trace_and_summary(tmp_path):
-    out = tmp_path / "profile"
+    out, log = tmp_path / "profile", tmp_path / "steps.jsonl"
     _torchrun("pretrain_gpt.py", *TINY, "--train-iters", "2", "--tensor-model-parallel-size", "2",
               "--cross-entropy-fusion-impl", "cce", "--profile-step", "2", "--profile-dir",
-              str(out))
+              str(out), "--log-json", str(log))
     for rank in (0, 1):
         summary = (out / f"step2_rank{rank}.txt").read_text()
         assert summary.startswith(f"# step 2, rank {rank}:") and "LCEFunction" in summary
         assert json.loads((out / f"step2_rank{rank}.json").read_text())["traceEvents"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r.get("profiled", False) for r in records] == [False, True]

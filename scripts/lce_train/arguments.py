@@ -225,6 +225,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if cp > 1 and args.transformer_impl != "transformer_engine":
         raise SystemExit("--context-parallel-size > 1 needs transformer_engine attention "
                          "(megatron-core's local attention has no context parallelism)")
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.train_iters:
+        raise SystemExit(f"--profile-step {args.profile_step} must be a step of this run, 1 to "
+                         f"--train-iters {args.train_iters}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -175,6 +175,8 @@ def train(args, log=print) -> list[dict]:
                 "step_s": step_s, "peak_gib": peaks, "resident_gib": resident,
                 "skipped": not ok,
             }
+            if profiler is not None:  # its step time includes the profiler's own cost
+                record["profiled"] = True
             if valid is not None and _due(step, args.eval_interval, args.train_iters):
                 t_eval = time.perf_counter()
                 unseen = None if seen is None else seen.unseen()
