@@ -28,6 +28,7 @@ from .checks import (  # noqa: F401
     validate,
 )
 from .engine import single_device_loss
+from .forward_grad import unread_mismatch_error
 from .options import LCEOptions, without_backward_options
 
 
@@ -52,6 +53,7 @@ def linear_cross_entropy(
     round_logits: bool = False,
     recompute_logits: bool = True,
     fp32_weight_grad: bool = True,
+    upstream_mismatch: str = "recompute",
     chunk_by: str = "vocab",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
@@ -95,6 +97,10 @@ def linear_cross_entropy(
         fp32_weight_grad: cce, gradient-in-forward backward: sum the weight gradient over
             token chunks in fp32 (False: in the weight's dtype, one rounding a chunk, as Liger
             does, so a tight ``scratch_mb`` needs no fp32 accumulator).
+        upstream_mismatch: gradient-in-forward backward, reduction "none": where the per-token
+            upstream gradient is not ``c * loss_mask``, "recompute" the gradients exactly (one
+            host sync a backward reads the verdict) or return "nan" gradients, the next call
+            raising (no host sync).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward, as cce's default).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
@@ -132,6 +138,7 @@ def linear_cross_entropy(
         round_logits=round_logits,
         recompute_logits=recompute_logits,
         fp32_weight_grad=fp32_weight_grad,
+        upstream_mismatch=upstream_mismatch,
         impl=impl,
         chunk_by=chunk_by,
         vocab_chunk_size=vocab_chunk_size,
@@ -176,6 +183,9 @@ class LinearCrossEntropy(nn.Module):
 
 def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
               loss_mask: torch.Tensor | None = None):
+    unread = unread_mismatch_error()
+    if unread is not None:
+        raise unread
     validate(input, weight, target, bias, opts, check_targets=False)
     check_loss_mask(loss_mask, target, opts.reduction)
     impl = resolve_impl(opts, input.device, input.dtype)

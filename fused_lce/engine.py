@@ -26,6 +26,8 @@ from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
     mismatch_found,
+    note_unread_mismatch,
+    poisoned_scale,
     upstream_scale,
     warn_recompute,
 )
@@ -368,10 +370,14 @@ class LCEFunction(torch.autograd.Function):
                                              opts.reduction)
             if mismatch is not None:
                 # Every rank must take the same path (the two differ in their collectives): the
-                # ranks' verdicts are combined on the device and read once, one host sync.
+                # ranks' verdicts are combined on the device, then read once (one host sync) or,
+                # with "nan", left to the device.
                 if call.reducer.world_size > 1:
                     mismatch = call.reducer.all_reduce_max_(mismatch)
-                if mismatch_found(mismatch):
+                if opts.upstream_mismatch == "nan":
+                    scale = poisoned_scale(scale, mismatch)
+                    note_unread_mismatch(mismatch)
+                elif mismatch_found(mismatch):
                     scale = None
             if scale is not None:
                 return (*_scaled_gradients(ctx, grads, scale, input, weight, bias, needs),

@@ -15,8 +15,10 @@ The backward only scales the stored gradients by that scalar. When is the gradie
 scalar? For "mean" and "sum" the upstream gradient of a scalar loss is one number. For "none"
 the op assumes the per-token gradient is ``c * mask`` (``loss_mask``, default: every non-ignored
 token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward checks that
-assumption (one host sync) and, where it fails or the returned lse carries a gradient, recomputes
-the exact gradients the four-GEMM way. Never a wrong result.
+assumption and, where it fails or the returned lse carries a gradient, recomputes the exact
+gradients the four-GEMM way. Reading that verdict is one host sync a backward; with
+``upstream_mismatch="nan"`` (the Megatron adapter's choice) the backward instead returns NaN
+gradients where it fails, and the next call raises: never a silently wrong result.
 
 For bf16 inputs the chunk walk stores exponentials instead (kernels/exp_logits.py): the GEMM's
 epilogue writes exp(z - z_y) and the row statistics, so the two passes go, and the gradient GEMMs
@@ -166,8 +168,10 @@ def upstream_scale(
         return grad_loss.reshape(()).to(assumed.dtype), None
     actual = grad_loss.reshape(-1).to(assumed.dtype)
     # c from the token the assumption weighs most; with a 0/1 mask it is that token's gradient.
-    k = assumed.abs().argmax()
-    c = torch.where(assumed[k] != 0, actual[k] / assumed[k], torch.zeros_like(actual[k]))
+    # gather, not assumed[k]: indexing by a tensor reads it on the host, a device sync.
+    k = assumed.abs().argmax().reshape(1)
+    weighed, given = assumed.gather(0, k), actual.gather(0, k)
+    c = torch.where(weighed != 0, given / weighed, torch.zeros_like(given)).reshape(())
     expected = c * assumed
     close = (actual - expected).abs() <= expected.abs() * 2.0**-20
     mismatch = (~torch.where(valid, close, True)).any().float().reshape(1)
@@ -177,6 +181,74 @@ def upstream_scale(
 def mismatch_found(mismatch: torch.Tensor) -> bool:
     """The host's read of a (combined) verdict from ``upstream_scale``: one device sync."""
     return bool(mismatch.item())
+
+
+def poisoned_scale(scale: torch.Tensor, mismatch: torch.Tensor) -> torch.Tensor:
+    """``scale``, or NaN where the (combined) verdict says the stored gradients do not apply:
+    ``upstream_mismatch="nan"`` decides on the device, and ``note_unread_mismatch`` keeps the
+    verdict for the host to read at the next call."""
+    return torch.where(mismatch.reshape(()) > 0, torch.full_like(scale, torch.nan), scale)
+
+
+@dataclass
+class _DeviceVerdict:
+    """Every verdict of ``upstream_mismatch="nan"`` backwards on one device, combined, and its
+    host copy (pinned on CUDA, queued with no wait; on the CPU the tensor itself)."""
+
+    found: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+    unread: bool = False
+
+
+_VERDICTS: dict[torch.device, _DeviceVerdict] = {}
+
+UPSTREAM_MISMATCH_MESSAGE = (
+    "an earlier backward of this op received per-token loss gradients that are not c * "
+    "loss_mask (the mask the forward computed the gradients for), and with "
+    "upstream_mismatch='nan' it returned NaN gradients rather than recomputing them: pass the "
+    "mask your loss multiplies the losses by as loss_mask, or upstream_mismatch='recompute' "
+    "(exact for any upstream gradient, at one host sync a backward; Megatron adapter: "
+    "--cce-upstream-mismatch recompute)"
+)
+
+
+def note_unread_mismatch(mismatch: torch.Tensor) -> None:
+    """Keep a (combined) verdict of a backward that took ``poisoned_scale``, with no host read."""
+    device = mismatch.device
+    verdict = _VERDICTS.get(device)
+    if verdict is None:
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                verdict = _DeviceVerdict(found, torch.zeros(1, pin_memory=True),
+                                         torch.cuda.Event())
+        else:
+            verdict = _DeviceVerdict(found, found, None)
+        _VERDICTS[device] = verdict
+    torch.maximum(verdict.found, mismatch.reshape(1).float(), out=verdict.found)
+    if verdict.copied is not None:
+        verdict.host.copy_(verdict.found, non_blocking=True)
+        verdict.copied.record(torch.cuda.current_stream(device))
+    verdict.unread = True
+
+
+def unread_mismatch_error() -> RuntimeError | None:
+    """The error for a mismatch an earlier ``upstream_mismatch="nan"`` backward found, if any
+    (then forgotten). Each op call asks before its kernels. It waits only for the verdict's copy,
+    queued a backward ago, not for the GPU's queue to drain."""
+    found = False
+    for verdict in _VERDICTS.values():
+        if not verdict.unread:
+            continue
+        verdict.unread = False
+        if verdict.copied is not None:
+            verdict.copied.synchronize()
+        if verdict.host.item() > 0:
+            found = True
+            verdict.found.zero_()
+            verdict.host.zero_()
+    return RuntimeError(UPSTREAM_MISMATCH_MESSAGE) if found else None
 
 
 def warn_recompute(where: str) -> None:

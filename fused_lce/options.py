@@ -28,12 +28,14 @@ Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "cce", "chunked", "torch"]
 ChunkBy = Literal["vocab", "tokens"]
 Backward = Literal["auto", "in_forward", "gemm", "tiles"]
+UpstreamMismatch = Literal["recompute", "nan"]
 FilterSpec = float | Literal["safe", "paper"] | None
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "in_forward", "gemm", "tiles")
+UPSTREAM_MISMATCHES = ("recompute", "nan")
 LEGACY_BACKWARDS = {"forward": "in_forward"}  # the name before 2026-11; accepted with a warning
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
@@ -153,6 +155,14 @@ class LCEOptions:
     the weight's dtype after each chunk (as Liger's fused loss does, and a bf16 gradient summed
     over micro-batches): no accumulator, so a tight ``scratch_mb`` keeps the three-GEMM backward
     with chunks of at least 1024 tokens, where the accumulator would not fit."""
+    upstream_mismatch: UpstreamMismatch = "recompute"
+    """Gradient-in-forward backward, reduction "none": what the backward does where the
+    per-token upstream gradient is not ``c * loss_mask`` (what the forward built the gradients
+    for). "recompute" reads the ranks' verdict on the host (one device sync a backward) and
+    recomputes those gradients exactly. "nan" never reads it: such a backward returns NaN
+    gradients, and the op's next call (on every rank) raises an error saying why. Megatron's
+    ``sum(losses * loss_mask)`` meets the assumption, so the Megatron adapter takes "nan" for
+    the main loss when the forward received the loss mask, unless told otherwise."""
     deterministic: bool = False
     """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
     backward then recomputes logits twice, once for each gradient)."""
@@ -200,6 +210,9 @@ class LCEOptions:
             object.__setattr__(self, "backward", new_name)
         if self.backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
+        if self.upstream_mismatch not in UPSTREAM_MISMATCHES:
+            raise ValueError(f"upstream_mismatch must be one of {UPSTREAM_MISMATCHES}, got "
+                             f"{self.upstream_mismatch!r}")
         if self.chunk_by not in CHUNK_BY:
             raise ValueError(f"chunk_by must be one of {CHUNK_BY}, got {self.chunk_by!r}")
         _check_float("label_smoothing", self.label_smoothing)

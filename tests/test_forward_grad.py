@@ -116,6 +116,50 @@ def test_unexpected_upstream_gradients_are_recomputed_exactly(dtype, how, walks,
     assert len(walks) == 1 and len(recomputes) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_upstream_mismatch_nan_keeps_the_forward_gradients_where_the_mask_holds(
+        dtype, walks, recomputes):
+    """``upstream_mismatch="nan"`` changes nothing where the upstream gradient is c * mask: the
+    same gradients as "recompute", bit for bit, no recompute, and the next call runs."""
+    hidden, weight, target, _ = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2, seed=12)
+    mask = (torch.arange(N) % 4 != 1).to(dtype)
+    grads = {}
+    for mode in ("recompute", "nan"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, target, impl="cce", reduction="none", loss_mask=mask,
+                                    token_chunk_size=16, upstream_mismatch=mode)
+        (0.37 * (loss * mask).sum()).backward()
+        grads[mode] = (h.grad, w.grad)
+    assert len(walks) == 2 and not recomputes
+    for ours, theirs in zip(grads["nan"], grads["recompute"]):
+        assert torch.equal(ours, theirs)
+    linear_cross_entropy(hidden, weight, target, impl="cce")  # nothing was left to raise
+
+
+@pytest.mark.parametrize("impl", ["cce", "chunked"])
+def test_upstream_mismatch_nan_poisons_the_gradients_and_the_next_call_raises(
+        impl, walks, recomputes):
+    """Per-token weights that are not the mask: no recompute, every gradient NaN, and the next
+    call raises the error naming the fix, once (the call after it runs)."""
+    hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", seed=13,
+                                                bias=True)
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    extra = {"chunk_by": "tokens"} if impl == "chunked" else {}
+    loss = linear_cross_entropy(h, w, target, b, impl=impl, reduction="none",
+                                token_chunk_size=16, upstream_mismatch="nan", **extra)
+    (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
+    assert not recomputes
+    assert all(g.isnan().all() for g in (h.grad, w.grad, b.grad))
+    with pytest.raises(RuntimeError, match="upstream_mismatch='recompute'"):
+        linear_cross_entropy(hidden, weight, target, impl=impl)
+    assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()
+
+
+def test_upstream_mismatch_is_checked():
+    with pytest.raises(ValueError, match="upstream_mismatch must be one of"):
+        LCEOptions(upstream_mismatch="ignore")
+
+
 @pytest.mark.parametrize("chunk", [None, 16], ids=["one-chunk", "chunks-of-16"])
 def test_rows_out_of_the_exponentials_range_are_recomputed(chunk, walks, recomputes,
                                                              monkeypatch):

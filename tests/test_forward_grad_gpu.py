@@ -67,6 +67,44 @@ def test_masked_none_loss_keeps_the_forward_gradients(dtype, walks, recwarn):
         assert err <= 2 * base_err + 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_masked_none_loss_never_syncs_with_upstream_mismatch_nan(dtype, walks):
+    """Megatron's masked loss with ``upstream_mismatch="nan"`` and ``check_targets=False`` (the
+    adapter's call): neither its forward nor its backward waits for the GPU. A host sync a
+    micro-batch lengthened the TP4 training step (docs/benchmarks/megatron_h200x4_202611.md)."""
+    n, v, d = SHAPE
+    hidden, weight, target, _ = make_problem(n, v, d, dtype, "peaked", seed=23)
+    mask = (torch.arange(n) % 5 != 0).float().cuda()
+    h, w, target = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_(), target.cuda()
+    options = dict(impl="cce", reduction="none", loss_mask=mask, check_targets=False,
+                   upstream_mismatch="nan")
+    (linear_cross_entropy(h, w, target, **options) * mask).sum().backward()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = linear_cross_entropy(h, w, target, **options)
+        (0.25 * (loss * mask).sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(walks) == 2 and h.grad.isfinite().all()
+
+
+def test_upstream_mismatch_nan_is_caught_on_the_gpu(walks):
+    """The verdict's pinned host copy and its event: a loss weighed otherwise than the mask gives
+    NaN gradients, the next call raises (reading the copy, no drain), the one after runs."""
+    n, v, d = SHAPE
+    hidden, weight, target, _ = make_problem(n, v, d, torch.bfloat16, "peaked", seed=24)
+    h, w, target = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_(), target.cuda()
+    mask = (torch.arange(n) % 5 != 0).float().cuda()
+    options = dict(impl="cce", reduction="none", loss_mask=mask, upstream_mismatch="nan")
+    loss = linear_cross_entropy(h, w, target, **options)
+    (loss * mask * torch.linspace(0.5, 1.5, n, device="cuda")).sum().backward()
+    assert h.grad.isnan().all() and w.grad.isnan().all()
+    with pytest.raises(RuntimeError, match="upstream_mismatch='recompute'"):
+        linear_cross_entropy(h, w, target, **options)
+    assert linear_cross_entropy(h.detach(), w.detach(), target, **options).isfinite().all()
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["walk", "no-grad"])
 @pytest.mark.parametrize("bad", [20011, -3])
 def test_out_of_range_targets_raise(grad, bad):
