@@ -43,7 +43,20 @@ default) does read the GPU: the smallest and largest target are copied to the ho
 device synchronisation the layer had before; with ``check_targets=False`` (the megatron
 adapter) there is none.
 
-What is cached: the gloo group per set of ranks, nothing else. Measured with
+A caller whose ranks make the same call by construction can ask for less (``every_call=False``,
+the Megatron adapter's choice: every tensor-parallel rank runs the same model on the same batch,
+as Megatron's own loss assumes). The exchange then runs at the first call and again only where
+this rank's own call changed (its table of words differs from the last one agreed on this
+group). In training that is once, then at each switch between training and evaluation. What it
+gives up is the case above: a rank whose call changed alone waits in the exchange for peers that
+skipped it, and raises comm.HostGroupError after the group's timeout, where every call's
+exchange would have raised at once. Why bother: the exchange is a barrier of the ranks' hosts.
+In a training step whose host barely keeps ahead of the GPU (four layers at TP4, traced on
+4 x H200, 2026-11-27), each host waited 2-2.6 ms in it for the slowest, while its GPU idled,
+eight times a step (docs/benchmarks/megatron_h200x4_202611.md).
+
+What is cached: the gloo group per set of ranks and, with ``every_call=False``, the last agreed
+call per group, nothing else. Measured with
 scripts/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other jobs, so
 upper bounds): the first call 1-3 ms, later calls 0.3-0.6 ms, of which ~25 us is Python
 (describing and hashing the call) and the rest the loopback all-gather (two processes meeting
@@ -125,6 +138,7 @@ def agree_on_call(
     targets: tuple[int, int] | None,
     ignore_index: int,
     error: Exception | None,
+    every_call: bool = True,
 ) -> AgreedLayout:
     """Check the call against every rank's; raise the same error on every rank if they differ.
 
@@ -137,6 +151,8 @@ def agree_on_call(
         targets: (smallest, largest) non-ignored target, or None when not checked.
         ignore_index: for the target error's message.
         error: this rank's own validation failure, if any; it is raised after the exchange.
+        every_call: False skips the exchange where this rank's call is the last agreed one
+            (the module docstring says what that gives up).
 
     Returns:
         The agreed layout; on every rank the same except ``start``.
@@ -153,7 +169,26 @@ def agree_on_call(
         lo,
         hi,
     ]
+    key = (comm.group_members(group), id(group))
+    last = _LAST_AGREED.get(key)
+    if not every_call and error is None and last is not None and last[0] == words:
+        return last[1]
     table = comm.all_gather_host_ints(words, group)
+    layout = _layout_from_table(table, group, facts, vocab_size, ignore_index, error)
+    _LAST_AGREED[key] = (words, layout)
+    return layout
+
+
+# The last call agreed on, per group (its global ranks and the group object): this rank's words
+# and the layout.
+_LAST_AGREED: dict[tuple, tuple[list[int], AgreedLayout]] = {}
+
+
+def _layout_from_table(table: list[list[int]], group, facts: dict[str, str],
+                       vocab_size: int | None, ignore_index: int,
+                       error: Exception | None) -> AgreedLayout:
+    """The same decision on every rank from the gathered table: raise, or the agreed layout."""
+    failed = error is not None
     columns = {name: [row[i] for row in table] for i, name in enumerate(_WORDS)}
     me = comm.rank(group)
 
@@ -177,7 +212,7 @@ def agree_on_call(
             f"vocab_start_index must be given on every rank or on none (given on ranks "
             f"{given_on} of {len(rows)})"
         )
-    if given:
+    if columns["start_given"][me]:
         if any(s < 0 for s in starts):
             raise ValueError(f"vocab_start_index must be >= 0 on every rank, got {starts}")
     else:

@@ -171,6 +171,11 @@ def group_timeout(group) -> timedelta:
         return c10d.default_pg_timeout
 
 
+def group_members(group) -> tuple[int, ...]:
+    """The global ranks of ``group``, sorted."""
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
 def host_group(group) -> HostGroup:
     """The host group of ``group``'s ranks, formed at the first call on them (by the members
     only; bounded by ``group``'s timeout); raises HostGroupError if some member does not come."""
@@ -179,7 +184,7 @@ def host_group(group) -> HostGroup:
         release_host_groups()
         _generations.clear()
         _world[0] = world
-    members = tuple(sorted(dist.get_process_group_ranks(group)))
+    members = group_members(group)
     cached = _host_groups.get(members)
     if cached is None:
         cached = _host_groups[members] = _form_host_group(members, group)

@@ -70,7 +70,8 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
         options: passed to the op, each an ``LCEOptions`` field of the same name: ``softcap``,
             ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
             ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``,
-            ``fp32_weight_grad``; and
+            ``fp32_weight_grad``, ``upstream_mismatch`` (default "nan" here: Megatron's loss
+            meets the op's assumption, and no backward then syncs); and
             ``vocab_size`` (the true vocabulary size when Megatron pads it; default: every row of
             the output weight is a class, as in Megatron's own loss).
         options_from: instead of ``options``, a function returning them, called at the first
@@ -150,7 +151,7 @@ def _wrap(function, options: dict | Callable[[], dict]):
             return function(self, *args, **kwargs)
         if not resolved:
             resolved.append(options())
-        with _deferred_output(self, resolved[0], arguments.get("loss_mask")):
+        with _deferred_output(self, resolved[0], arguments.get("loss_mask"), labels):
             return function(self, *args, **kwargs)
 
     setattr(wrapper, _PATCHED, True)
@@ -158,10 +159,14 @@ def _wrap(function, options: dict | Callable[[], dict]):
 
 
 @contextlib.contextmanager
-def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None):
+def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None):
     """For one call: the output layer defers its matmul and the loss consumes the deferral.
     ``loss_mask`` (the forward's, [b, s]) tells the op what the loss function will weigh each
-    token's loss by, so it can compute the gradients in its forward (fused_lce.forward_grad)."""
+    token's loss by, so it can compute the gradients in its forward (fused_lce.forward_grad).
+    It is vouched for (``upstream_mismatch="nan"``: no host read of the backward's verdict)
+    only for the loss of the forward's own ``labels``: multi-token prediction's losses, of
+    rolled labels, weigh tokens by a rolled mask, and their backwards recompute."""
     layer = gpt.output_layer
     had_forward = "forward" in layer.__dict__
     saved_forward = layer.__dict__.get("forward")
@@ -177,10 +182,11 @@ def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None):
         sp = bool(getattr(layer, "sequence_parallel", False))
         return DeferredLogits(input_, weight, bias, sp), None
 
-    def loss(labels, logits):
+    def loss(call_labels, logits):
         if isinstance(logits, DeferredLogits):
-            return _per_token_loss(gpt, labels, logits, options, loss_mask)
-        return original_loss(labels, logits)
+            vouched = loss_mask is not None and call_labels is labels
+            return _per_token_loss(gpt, call_labels, logits, options, loss_mask, vouched)
+        return original_loss(call_labels, logits)
 
     layer.forward = deferred_forward
     gpt.compute_language_model_loss = loss
@@ -199,16 +205,18 @@ def _restore(obj, name: str, had: bool, saved) -> None:
 
 
 def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options: dict,
-                    loss_mask: torch.Tensor | None = None):
-    """Megatron's per-token loss [b, s] from labels [b, s] and the deferred output layer."""
+                    loss_mask: torch.Tensor | None = None, vouched: bool = False):
+    """Megatron's per-token loss [b, s] from labels [b, s] and the deferred output layer.
+    ``vouched``: Megatron's loss function will weigh these losses by ``loss_mask`` times one
+    number, so the backward need not read its verdict on the host."""
     import torch.distributed as dist
 
     from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
     group = _tensor_parallel_group(gpt)
     weight = deferred.weight
-    # Megatron splits the (padded) vocabulary evenly: the layout is known (the per-call host
-    # agreement still checks that it tiles the vocabulary).
+    # Megatron splits the (padded) vocabulary evenly: the layout is known (the host agreement
+    # still checks, at the first call, that it tiles the vocabulary).
     padded = weight.shape[0] * dist.get_world_size(group)
     expected = getattr(gpt, "vocab_size", padded)
     if padded != expected:
@@ -218,12 +226,16 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
             f"{padded}, but the model's vocabulary is {expected}; cce needs Megatron's even "
             "vocabulary split"
         )
-    options = {"vocab_size": padded, **options}
+    if loss_mask is not None and tuple(loss_mask.shape) != tuple(labels.shape):
+        # Not the per-token mask of these labels: the op then assumes all ones, and checks.
+        loss_mask, vouched = None, False
+    # Megatron's sum(losses * loss_mask) meets the op's assumption, so no backward need read its
+    # verdict on the host: a sync a micro-batch. A flag given (options) overrides this.
+    vouch = {"upstream_mismatch": "nan"} if vouched else {}
+    options = {"vocab_size": padded, **vouch, **options}
     accumulator = None
     if getattr(gpt.config, "gradient_accumulation_fusion", False):
         accumulator = getattr(weight, "main_grad", None)
-    if loss_mask is not None and tuple(loss_mask.shape) != tuple(labels.shape):
-        loss_mask = None  # not the per-token mask of these labels (the op then assumes all ones)
     loss = vocab_parallel_linear_cross_entropy(
         deferred.hidden,
         weight,
@@ -234,6 +246,7 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
         sequence_parallel=deferred.sequence_parallel,
         reduction="none",
         check_targets=False,  # as Megatron's own loss: no host sync per micro-batch
+        agree_every_call=False,  # nor a barrier of the ranks' hosts: their calls are the same
         weight_grad_accumulator=accumulator,
         loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1).contiguous(),
         **options,

@@ -30,7 +30,8 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows
               all-reduce MAX               [R] fp32
               all-reduce SUM               [2R] fp32, [3R] with label smoothing
     backward  reduction "none" (default mode): all-reduce MAX [1] fp32, the ranks' verdicts on
-                                            the assumed upstream gradient, read once
+                                            the assumed upstream gradient, read once (with
+                                            upstream_mismatch="nan", never: the next call does)
               recompute only, SP only: all-gather hidden [N/TP x D -> N x D], input dtype
                                             (re-gathered rather than saved: saves (TP-1)/TP of
                                             N x D per layer)
@@ -40,7 +41,9 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows
                                             before any other collective: shapes, options and
                                             layout agree, the verdicts of every rank's checks
                                             (parallel/agreement.py); with ``check_targets`` the
-                                            targets' min and max are read from the device first
+                                            targets' min and max are read from the device first;
+                                            with ``agree_every_call=False`` only where this
+                                            rank's call changed
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch.distributed as dist
 
 from fused_lce.checks import check_flag, check_loss_mask, class_ids, resolve_impl, validate
 from fused_lce.engine import LCEFunction, ShardCall
+from fused_lce.forward_grad import unread_mismatch_error
 from fused_lce.options import LCEOptions, without_backward_options
 
 from . import agreement, comm
@@ -79,6 +83,7 @@ def vocab_parallel_linear_cross_entropy(
     round_logits: bool = False,
     recompute_logits: bool = True,
     fp32_weight_grad: bool = True,
+    upstream_mismatch: str = "recompute",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
@@ -87,6 +92,7 @@ def vocab_parallel_linear_cross_entropy(
     debug: bool = False,
     weight_grad_accumulator: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
+    agree_every_call: bool = True,
 ):
     """Linear cross-entropy with the classifier split over the vocabulary across ``group``.
 
@@ -118,6 +124,11 @@ def vocab_parallel_linear_cross_entropy(
         loss_mask: ("none" only) what the caller multiplies the per-token losses by, shape of
             ``target`` (Megatron's loss mask): the gradients are then computed in the forward
             (fused_lce/forward_grad.py). It does not mask the returned losses.
+        agree_every_call: True checks every call against the other ranks' (one host exchange,
+            a barrier of the ranks' hosts) before any collective, so a rank's bad or different
+            call raises on every rank. False, for callers whose ranks make the same call by
+            construction (the Megatron adapter), checks only a call that differs from this
+            rank's last one (parallel/agreement.py says what that gives up).
         Other arguments: as for :func:`fused_lce.linear_cross_entropy` (``chunk_by`` is always
             "vocab" here).
 
@@ -133,7 +144,7 @@ def vocab_parallel_linear_cross_entropy(
         softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
         vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
         recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
-        vocab_chunk_size=vocab_chunk_size,
+        upstream_mismatch=upstream_mismatch, vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size, scratch_mb=scratch_mb, tma=tma,
     )
     # Every check that could fail on one rank only runs before the ranks' one agreement
@@ -141,8 +152,11 @@ def vocab_parallel_linear_cross_entropy(
     # waiting in the forward's first collective.
     error, opts, targets = None, None, None
     try:
+        unread = unread_mismatch_error()  # an earlier backward's: every rank raises it together
+        if unread is not None:
+            raise unread
         for name, flag in (("return_lse", return_lse), ("check_targets", check_targets),
-                           ("debug", debug)):
+                           ("debug", debug), ("agree_every_call", agree_every_call)):
             check_flag(name, flag)
         opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
                            vocab_start_index, vocab_size, weight_grad_accumulator)
@@ -157,7 +171,7 @@ def vocab_parallel_linear_cross_entropy(
     agreed = agreement.agree_on_call(
         group, facts=facts, shard_rows=weight.shape[0] if error is None else 0,
         vocab_start_index=vocab_start_index, vocab_size=vocab_size, targets=targets,
-        ignore_index=ignore_index, error=error,
+        ignore_index=ignore_index, error=error, every_call=agree_every_call,
     )
     start, num_classes = agreed.start, agreed.num_classes
 

@@ -156,3 +156,38 @@ def unequal_upstream_suite(rank: int, world: int, sequence_parallel: bool) -> li
 def test_ranks_with_their_own_upstream_scale(world, sequence_parallel, tmp_path):
     run_on_ranks(world, unequal_upstream_suite, sequence_parallel, out_dir=tmp_path, timeout_s=90,
                  interpret=True)
+
+
+def nan_verdict_suite(rank: int, world: int) -> list[str]:
+    """``upstream_mismatch="nan"`` across ranks: one rank's upstream gradient is not the mask's,
+    so every rank's gradients are NaN (the verdicts are combined on the device, never read in
+    the backward) and every rank's next call raises, together; the call after it runs."""
+    errors = []
+    hidden, weight, target, mask = _problem(torch.float32)
+    bounds = [V * r // world for r in range(world + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    h = hidden.clone().requires_grad_()
+    w = weight[lo:hi].clone().requires_grad_()
+    options = dict(reduction="none", loss_mask=mask, token_chunk_size=7, impl="cce",
+                   upstream_mismatch="nan")
+    loss = vocab_parallel_linear_cross_entropy(h, w, target, **options)
+    upstream = torch.linspace(0.2, 1.7, N) if rank == world - 1 else 0.5 * mask
+    (loss * upstream).sum().backward()
+    if not (h.grad.isnan().all() and w.grad.isnan().all()):
+        errors.append(f"tp={world} rank={rank}: gradients not NaN")
+    try:
+        vocab_parallel_linear_cross_entropy(hidden, weight[lo:hi], target, **options)
+        errors.append(f"tp={world} rank={rank}: the next call did not raise")
+    except RuntimeError as err:
+        if "upstream_mismatch='recompute'" not in str(err):
+            errors.append(f"tp={world} rank={rank}: {err}")
+    loss = vocab_parallel_linear_cross_entropy(hidden, weight[lo:hi], target, **options)
+    if not loss.isfinite().all():
+        errors.append(f"tp={world} rank={rank}: the call after the error is not finite")
+    dist.barrier()
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_upstream_mismatch_nan_poisons_every_rank_and_every_rank_raises(world, tmp_path):
+    run_on_ranks(world, nan_verdict_suite, out_dir=tmp_path, timeout_s=90, interpret=True)

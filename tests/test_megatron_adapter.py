@@ -203,6 +203,80 @@ class MaskedGPT(FakeGPT):
         return super()._postprocess(hidden_states, labels=labels)
 
 
+class MaskedMTPGPT(MaskedGPT):
+    """As megatron-core's with multi-token prediction: a second loss of the same hidden states
+    against rolled labels (a new tensor), which its loss function weighs by a rolled mask."""
+
+    def _postprocess(self, hidden_states, labels=None, loss_mask=None):
+        logits, _ = self.output_layer(hidden_states)
+        rolled = torch.roll(labels, -1, dims=-1)
+        return (self.compute_language_model_loss(rolled, logits),
+                super()._postprocess(hidden_states, labels=labels, loss_mask=loss_mask))
+
+
+def _upstream_modes(monkeypatch) -> list[str]:
+    """The ``upstream_mismatch`` of each op call the adapter makes."""
+    from fused_lce.parallel import vocab_parallel
+
+    modes = []
+    original = vocab_parallel.vocab_parallel_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs.get("upstream_mismatch", "recompute"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(vocab_parallel, "vocab_parallel_linear_cross_entropy", spy)
+    return modes
+
+
+def test_only_the_main_loss_with_its_mask_skips_the_backward_host_read(group, monkeypatch):
+    """The adapter vouches for Megatron's masked sum (``upstream_mismatch="nan"``: no host read
+    in the backward) for the loss of the forward's own labels when the forward got the mask;
+    multi-token prediction's loss (rolled labels, rolled mask) keeps the exact recompute."""
+    from fused_lce import engine
+
+    recomputes = []
+    monkeypatch.setattr(engine, "warn_recompute", lambda where: recomputes.append(where))
+    modes = _upstream_modes(monkeypatch)
+    torch.manual_seed(0)
+    native, cce = MaskedMTPGPT(group, fusion=False), MaskedMTPGPT(group)
+    cce.load_state_dict(native.state_dict())
+    megatron_patch.install(cce, impl="cce")
+    hidden, labels = _inputs(4)
+    loss_mask = (torch.arange(B * S).view(B, S) % 3 != 0).float()
+    h2 = hidden.detach().clone().requires_grad_()
+    expected = native._postprocess(hidden, labels=labels, loss_mask=loss_mask)
+    got = cce._postprocess(h2, labels=labels, loss_mask=loss_mask)
+    rolled_mask = torch.roll(loss_mask, -1, dims=-1)
+    for losses in (expected, got):
+        mtp, main = losses
+        (0.25 * (main * loss_mask).sum() + 0.1 * (mtp * rolled_mask).sum()).backward()
+    assert modes == ["recompute", "nan"] and len(recomputes) == 1
+    assert_close_rel(h2.grad, hidden.grad, 1e-5, "hidden grad")
+    assert_close_rel(cce.output_layer.weight.grad, native.output_layer.weight.grad, 1e-5,
+                     "weight grad")
+    modes.clear()
+    cce._postprocess(hidden.detach(), labels=labels)  # no mask: nothing to vouch for
+    assert modes == ["recompute", "recompute"]
+
+
+def test_a_loss_that_is_not_the_masked_sum_is_caught(group):
+    """Vouched for, but the loss function weighs tokens otherwise: every gradient is NaN and the
+    next call raises, naming the flag that recomputes instead."""
+    torch.manual_seed(0)
+    cce = MaskedGPT(group)
+    megatron_patch.install(cce, impl="cce")
+    hidden, labels = _inputs(6)
+    loss_mask = (torch.arange(B * S).view(B, S) % 3 != 0).float()
+    h = hidden.detach().clone().requires_grad_()
+    got = cce._postprocess(h, labels=labels, loss_mask=loss_mask)
+    (got * loss_mask * torch.linspace(0.5, 1.5, S)).sum().backward()
+    assert h.grad.isnan().all() and cce.output_layer.weight.grad.isnan().all()
+    with pytest.raises(RuntimeError, match="--cce-upstream-mismatch recompute"):
+        cce._postprocess(hidden, labels=labels, loss_mask=loss_mask)
+    assert cce._postprocess(hidden, labels=labels, loss_mask=loss_mask).isfinite().all()
+
+
 @pytest.mark.parametrize("accumulate", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("pass_mask", [True, False], ids=["mask-given", "no-mask"])
 def test_the_loss_mask_reaches_the_op(group, monkeypatch, pass_mask, accumulate):

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from helpers_agreement import disagreement_suite
 from helpers_parallel import run_on_ranks
@@ -71,6 +72,49 @@ def _host_group_suite(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_host_group_order(tmp_path):
     run_on_ranks(4, _host_group_suite, out_dir=tmp_path, timeout_s=PG_TIMEOUT_S)
+
+
+def _on_change_suite(rank: int, world: int) -> list[str]:
+    """``agree_every_call=False`` (the Megatron adapter's): the first call exchanges, a repeat
+    does not, and a call that changed on every rank exchanges again and still raises when the
+    ranks disagree. On a host group, as for NCCL. (A rank whose call changed alone waits in the
+    exchange until the group's timeout and raises comm.HostGroupError, as test_group_timeouts.py
+    tests for a member that never comes; that leaves the group unusable, so it is not run here.)"""
+    from helpers_agreement import ROWS, N, _problem
+
+    from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    comm.takes_cpu_tensors = lambda group: False
+    exchanges = []
+    original = comm.all_gather_host_ints
+    comm.all_gather_host_ints = lambda *a: exchanges.append(1) or original(*a)
+    hidden, weight, target = _problem("cpu")
+    start = sum(ROWS[:rank])
+    shard = weight[start:start + ROWS[rank]]
+
+    def call(n=N, **kw):
+        return vocab_parallel_linear_cross_entropy(
+            hidden[:n], shard, target[:n], impl="chunked", agree_every_call=False, **kw)
+
+    errors = []
+    first, again = call(), call()
+    if len(exchanges) != 1 or not torch.equal(first, again):
+        errors.append(f"rank {rank}: a repeated call exchanged ({len(exchanges)} exchanges)")
+    call(n=N - 2)
+    if len(exchanges) != 2:
+        errors.append(f"rank {rank}: a call changed on every rank did not exchange")
+    try:
+        call(label_smoothing=0.1 * (rank + 1))
+        errors.append(f"rank {rank}: ranks that disagree after an agreed call did not raise")
+    except ValueError as exc:
+        if "ranks disagree on label_smoothing" not in str(exc):
+            errors.append(f"rank {rank}: {exc}")
+    return errors
+
+
+@pytest.mark.timeout(90)
+def test_agreeing_on_change_skips_repeats_and_still_raises(tmp_path):
+    run_on_ranks(2, _on_change_suite, out_dir=tmp_path, timeout_s=PG_TIMEOUT_S, interpret=True)
 
 
 def test_disagreement_message_names_each_field_and_rank():
