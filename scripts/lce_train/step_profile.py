@@ -55,10 +55,16 @@ def finish(profiler: torch.profiler.profile, out_dir: str, step: int, step_s: fl
 
 def kernel_busy_ms(trace: dict) -> float | None:
     """The union of the kernels' intervals in a Chrome trace, in ms (None: no kernels)."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
-                   if e.get("cat") == "kernel" and "dur" in e)
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
+             if e.get("cat") == "kernel" and "dur" in e]
+    return union_ms(spans) if spans else None
+
+
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals in microseconds, in ms."""
     if not spans:
-        return None
+        return 0.0
+    spans = sorted(spans)
     busy, (lo, hi) = 0.0, spans[0]
     for start_us, end_us in spans[1:]:
         if start_us > hi:
