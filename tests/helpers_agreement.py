@@ -78,6 +78,8 @@ def disagreement_cases(rank: int, device: str, impl: str) -> list[tuple[str, lis
         ("arguments only rank 1 rejects (dtype)",
          [call(weight=shard.double()) if other else call()],
          r"weight must have input's dtype"),
+        ("agree_every_call not a bool, on every rank", [call(agree_every_call="yes")],
+         r"agree_every_call must be a bool, got 'yes'"),
         # The first call agrees; then rank 1's changes while rank 0 repeats its own. A cache of
         # agreed signatures would let rank 0 skip the check here and hang.
         ("N changes on rank 1 after an agreed call",
