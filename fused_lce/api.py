@@ -99,8 +99,8 @@ def linear_cross_entropy(
             does, so a tight ``scratch_mb`` needs no fp32 accumulator).
         upstream_mismatch: gradient-in-forward backward, reduction "none": where the per-token
             upstream gradient is not ``c * loss_mask``, "recompute" the gradients exactly (one
-            host sync a backward reads the verdict) or return "nan" gradients, the next call
-            raising (no host sync).
+            host sync a backward reads the verdict) or return "nan" gradients, the op's second
+            call after that backward raising (no host sync).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward, as cce's default).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).

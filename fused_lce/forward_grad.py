@@ -18,7 +18,8 @@ token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward
 assumption and, where it fails or the returned lse carries a gradient, recomputes the exact
 gradients the four-GEMM way. Reading that verdict is one host sync a backward; with
 ``upstream_mismatch="nan"`` (the Megatron adapter's choice) the backward instead returns NaN
-gradients where it fails, and the next call raises: never a silently wrong result.
+gradients where it fails, and the op's second call after it raises (VERDICT_LAG_CALLS):
+never a silently wrong result.
 
 For bf16 inputs the chunk walk stores exponentials instead (kernels/exp_logits.py): the GEMM's
 epilogue writes exp(z - z_y) and the row statistics, so the two passes go, and the gradient GEMMs
@@ -33,6 +34,7 @@ so that it is rounded once rather than once per chunk. ``plan_forward_gradients`
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -186,22 +188,29 @@ def mismatch_found(mismatch: torch.Tensor) -> bool:
 def poisoned_scale(scale: torch.Tensor, mismatch: torch.Tensor) -> torch.Tensor:
     """``scale``, or NaN where the (combined) verdict says the stored gradients do not apply:
     ``upstream_mismatch="nan"`` decides on the device, and ``note_unread_mismatch`` keeps the
-    verdict for the host to read at the next call."""
+    verdict for the host to read ``VERDICT_LAG_CALLS`` calls later."""
     return torch.where(mismatch.reshape(()) > 0, torch.full_like(scale, torch.nan), scale)
 
 
 @dataclass
-class _DeviceVerdict:
-    """Every verdict of ``upstream_mismatch="nan"`` backwards on one device, combined, and its
-    host copy (pinned on CUDA, queued with no wait; on the CPU the tensor itself)."""
+class _PendingVerdict:
+    """One ``upstream_mismatch="nan"`` backward's (combined) verdict on its way to the host: a
+    pinned copy queued behind an event on CUDA (on the CPU the tensor itself), read at op call
+    number ``due``."""
 
-    found: torch.Tensor
     host: torch.Tensor
     copied: torch.cuda.Event | None
-    unread: bool = False
+    due: int
 
 
-_VERDICTS: dict[torch.device, _DeviceVerdict] = {}
+# A backward's verdict is read by the op call this many calls after it, not by the next one. The
+# next call would wait for the backward's kernels: in a loop of loss steps the host could then
+# queue nothing ahead of the GPU. Counted in calls, not found by polling the event, so that the
+# ranks of a group, which make the same calls, all raise at the same one.
+VERDICT_LAG_CALLS = 2
+
+_PENDING: deque[_PendingVerdict] = deque()
+_CALLS = 0  # op calls so far (every one asks unread_mismatch_error first)
 
 UPSTREAM_MISMATCH_MESSAGE = (
     "an earlier backward of this op received per-token loss gradients that are not c * "
@@ -214,40 +223,34 @@ UPSTREAM_MISMATCH_MESSAGE = (
 
 
 def note_unread_mismatch(mismatch: torch.Tensor) -> None:
-    """Keep a (combined) verdict of a backward that took ``poisoned_scale``, with no host read."""
-    device = mismatch.device
-    verdict = _VERDICTS.get(device)
-    if verdict is None:
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                verdict = _DeviceVerdict(found, torch.zeros(1, pin_memory=True),
-                                         torch.cuda.Event())
-        else:
-            verdict = _DeviceVerdict(found, found, None)
-        _VERDICTS[device] = verdict
-    torch.maximum(verdict.found, mismatch.reshape(1).float(), out=verdict.found)
-    if verdict.copied is not None:
-        verdict.host.copy_(verdict.found, non_blocking=True)
-        verdict.copied.record(torch.cuda.current_stream(device))
-    verdict.unread = True
+    """Keep a (combined) verdict of a backward that took ``poisoned_scale``, with no host read:
+    the op call ``VERDICT_LAG_CALLS`` calls later reads it."""
+    verdict = mismatch.reshape(1).float()
+    copied = None
+    if verdict.device.type == "cuda":
+        host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+        host.copy_(verdict, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(verdict.device))
+    else:
+        host = verdict.clone()
+    _PENDING.append(_PendingVerdict(host, copied, _CALLS + VERDICT_LAG_CALLS))
 
 
 def unread_mismatch_error() -> RuntimeError | None:
-    """The error for a mismatch an earlier ``upstream_mismatch="nan"`` backward found, if any
-    (then forgotten). Each op call asks before its kernels. It waits only for the verdict's copy,
-    queued a backward ago, not for the GPU's queue to drain."""
+    """Count this op call, and return the error for a mismatch an earlier
+    ``upstream_mismatch="nan"`` backward found, if its verdict is due (then forgotten). Each op
+    call asks before its kernels. A due verdict's copy was queued ``VERDICT_LAG_CALLS`` calls
+    ago: the read waits only where the host runs further ahead of the GPU than that, and then
+    for that copy, never for the queue to drain."""
+    global _CALLS
+    _CALLS += 1
     found = False
-    for verdict in _VERDICTS.values():
-        if not verdict.unread:
-            continue
-        verdict.unread = False
+    while _PENDING and _PENDING[0].due <= _CALLS:
+        verdict = _PENDING.popleft()
         if verdict.copied is not None:
             verdict.copied.synchronize()
-        if verdict.host.item() > 0:
-            found = True
-            verdict.found.zero_()
-            verdict.host.zero_()
+        found = found or verdict.host.item() > 0
     return RuntimeError(UPSTREAM_MISMATCH_MESSAGE) if found else None
 
 

@@ -160,7 +160,8 @@ class LCEOptions:
     per-token upstream gradient is not ``c * loss_mask`` (what the forward built the gradients
     for). "recompute" reads the ranks' verdict on the host (one device sync a backward) and
     recomputes those gradients exactly. "nan" never reads it: such a backward returns NaN
-    gradients, and the op's next call (on every rank) raises an error saying why. Megatron's
+    gradients, and the op's second call after it (on every rank) raises an error saying why:
+    a call later than the next, so that reading the verdict waits for no kernel. Megatron's
     ``sum(losses * loss_mask)`` meets the assumption, so the Megatron adapter takes "nan" for
     the main loss when the forward received the loss mask, unless told otherwise."""
     deterministic: bool = False

@@ -31,7 +31,7 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows
               all-reduce SUM               [2R] fp32, [3R] with label smoothing
     backward  reduction "none" (default mode): all-reduce MAX [1] fp32, the ranks' verdicts on
                                             the assumed upstream gradient, read once (with
-                                            upstream_mismatch="nan", never: the next call does)
+                                            upstream_mismatch="nan", never: a later call does)
               recompute only, SP only: all-gather hidden [N/TP x D -> N x D], input dtype
                                             (re-gathered rather than saved: saves (TP-1)/TP of
                                             N x D per layer)

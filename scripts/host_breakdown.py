@@ -14,15 +14,23 @@ the GPU asleep: through our wrapper's whole call (``wrapper``, from the pieces),
 ``kernel[grid](...)`` with the wrapper's arguments (``jit``: triton's binder, specialisation,
 cache lookup and launcher), and through the compiled kernel's own handle (``handle``: the
 launcher alone). The difference says what a leaner launch path could save.
+
+``--cprofile STEPS`` profiles STEPS back-to-back steps of each case (and of the Megatron
+adapter's call through the vocab-parallel layer on a one-rank NCCL group, ``--parallel``) with
+the GPU asleep, and prints where the host's time goes by function (own time) and by owner:
+triton's launcher, torch's ops, this package, the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import importlib.util
 import inspect
 import math
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -52,6 +60,7 @@ from triton.runtime.jit import JITFunction, KernelInterface  # noqa: E402
 from fused_lce import (  # noqa: E402
     api,
     engine,
+    forward_grad,
     linear_cross_entropy,  # noqa: E402
     triton_shard,
 )
@@ -191,6 +200,81 @@ def make_step(model: str, n_tokens: int, tp: int, **options):
     return step
 
 
+def make_parallel_step(model: str, n_tokens: int, tp: int):
+    """The Megatron adapter's call (parallel/megatron_patch.py: reduction "none" with the loss
+    mask, no target check, agreement only on change, the verdict left to the device) on a
+    one-rank NCCL group: the parallel layer's host work without peers to wait for."""
+    import torch.distributed as dist
+
+    from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    cfg = bench_lce.load_model_config(model)
+    vocab = math.ceil(cfg.vocab_size / tp)
+    case = bench_lce.Case(model, n_tokens, vocab, cfg.hidden_size, "trained")
+    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    target = target % vocab
+    mask = torch.ones(n_tokens, device="cuda")
+    h = hidden.requires_grad_()
+    w = weight.requires_grad_()
+
+    def step():
+        h.grad = None
+        w.grad = None
+        losses = vocab_parallel_linear_cross_entropy(
+            h, w, target, reduction="none", check_targets=False, agree_every_call=False,
+            upstream_mismatch="nan", loss_mask=mask)
+        (losses * mask).sum().backward()
+    return step
+
+
+def _owner(filename: str) -> str:
+    """Whose code a profiled function is: triton, torch, this project or the rest."""
+    path = filename.replace(os.sep, "/")
+    if "/triton/" in path:
+        return "triton (binder, launcher, descriptors)"
+    if "/torch/" in path or filename.startswith("<built-in method") or "torch._C" in filename:
+        return "torch (ops, autograd, python)"
+    if "/fused_lce/" in path or "/parallel/" in path:
+        return "fused_lce + parallel (python)"
+    return "other"
+
+
+def cprofile_steps(step, steps: int, top: int = 30, rounds: int = 3) -> None:
+    """Print the host's own time per function over ``rounds`` of ``steps`` back-to-back steps,
+    the GPU asleep, and the totals by owner (``_owner``), in ms per step. A round is a few steps
+    only: past about a thousand queued launches the launch queue is full and the host blocks."""
+    step()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    for _ in range(rounds):
+        torch.cuda._sleep(2_000_000_000)
+        profile.enable()
+        for _ in range(steps):
+            step()
+        profile.disable()
+        torch.cuda.synchronize()
+    steps *= rounds
+    stats = pstats.Stats(profile)
+    owners = defaultdict(float)
+    rows = []
+    for (filename, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = filename if filename != "~" else name
+        owners[_owner(where)] += own
+        rows.append((own, calls, cumulative, f"{Path(filename).name}:{line}({name})"))
+    total = sum(owners.values())
+    print(f"host ms per step under cProfile: {total / steps * 1e3:.2f}")
+    for owner, seconds in sorted(owners.items(), key=lambda kv: -kv[1]):
+        print(f"  {owner:<44} {seconds / steps * 1e3:7.3f}")
+    print(f"  top {top} functions by own time: ms per step, calls per step, cumulative ms")
+    for own, calls, cumulative, label in sorted(rows, reverse=True)[:top]:
+        print(f"  {own / steps * 1e3:7.3f} {calls / steps:6.1f} {cumulative / steps * 1e3:8.3f}"
+              f"  {label[:90]}")
+
+
 def host_steps(step, timer: PieceTimer, steps: int = 7):
     """(median host ms of a step, {piece: median ms per step})."""
     step()
@@ -219,6 +303,10 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", nargs="+", default=["phi3_5_mini:4096", "llama3_8b:8192:8"])
     parser.add_argument("--launches", action="store_true",
                         help="also time each kernel's launch through its three doors")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                        help="profile STEPS back-to-back steps of each case by function")
+    parser.add_argument("--parallel", action="store_true",
+                        help="with --cprofile: also the Megatron adapter's call on one rank")
     args = parser.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
@@ -240,6 +328,18 @@ def main(argv=None) -> None:
             for _, _, label in PIECES:
                 if label in pieces:
                     print(f"{label:<48} {pieces[label]:7.3f}")
+            if args.cprofile:
+                cprofile_steps(step, args.cprofile)
+            del step
+            torch.cuda.empty_cache()
+        if args.cprofile and args.parallel:
+            # Behind a sleeping GPU a verdict's read (VERDICT_LAG_CALLS calls after its
+            # backward) waits: put off past the measurement, the host's own time shows.
+            forward_grad.VERDICT_LAG_CALLS = 1000
+            step = make_parallel_step(model, int(tokens), int(tp[0]) if tp else 1)
+            print(f"\n## {spec}, the Megatron adapter's call on a one-rank NCCL group: "
+                  f"host ms per step {host_steady_ms(step):.2f} back to back")
+            cprofile_steps(step, args.cprofile)
             del step
             torch.cuda.empty_cache()
     if args.launches:

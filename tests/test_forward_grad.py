@@ -18,6 +18,7 @@ from fused_lce import engine, forward_grad, linear_cross_entropy
 from fused_lce.forward_grad import (
     DEFAULT_CHUNK_BYTES,
     MIN_CHUNK_ROWS,
+    VERDICT_LAG_CALLS,
     ForwardGradPlan,
     plan_forward_gradients,
 )
@@ -137,10 +138,11 @@ def test_upstream_mismatch_nan_keeps_the_forward_gradients_where_the_mask_holds(
 
 
 @pytest.mark.parametrize("impl", ["cce", "chunked"])
-def test_upstream_mismatch_nan_poisons_the_gradients_and_the_next_call_raises(
+def test_upstream_mismatch_nan_poisons_the_gradients_and_a_later_call_raises(
         impl, walks, recomputes):
-    """Per-token weights that are not the mask: no recompute, every gradient NaN, and the next
-    call raises the error naming the fix, once (the call after it runs)."""
+    """Per-token weights that are not the mask: no recompute, every gradient NaN, and the op's
+    second call after that backward raises the error naming the fix, once (the calls before
+    and after it run): the verdict is read ``VERDICT_LAG_CALLS`` calls later."""
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", seed=13,
                                                 bias=True)
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
@@ -150,6 +152,8 @@ def test_upstream_mismatch_nan_poisons_the_gradients_and_the_next_call_raises(
     (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
     assert not recomputes
     assert all(g.isnan().all() for g in (h.grad, w.grad, b.grad))
+    assert VERDICT_LAG_CALLS == 2
+    assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()
     with pytest.raises(RuntimeError, match="upstream_mismatch='recompute'"):
         linear_cross_entropy(hidden, weight, target, impl=impl)
     assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()

@@ -89,9 +89,32 @@ def test_masked_none_loss_never_syncs_with_upstream_mismatch_nan(dtype, walks):
     assert len(walks) == 2 and h.grad.isfinite().all()
 
 
+def test_masked_none_loss_steps_never_wait_for_the_gpu(walks):
+    """The adapter's call, two steps queued behind a long sleep kernel: the host finishes them
+    while the GPU still sleeps, so neither waited for a kernel, the verdicts' reads included
+    (``VERDICT_LAG_CALLS`` calls later; read at the next call, the second step waited for the
+    first's backward). Sync debug mode does not see event waits; this does."""
+    n, v, d = SHAPE
+    hidden, weight, target, _ = make_problem(n, v, d, torch.bfloat16, "peaked", seed=25)
+    mask = (torch.arange(n) % 5 != 0).float().cuda()
+    h, w, target = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_(), target.cuda()
+    options = dict(impl="cce", reduction="none", loss_mask=mask, check_targets=False,
+                   upstream_mismatch="nan")
+    for _ in range(2):  # compiles, and leaves verdicts of its own in flight
+        (linear_cross_entropy(h, w, target, **options) * mask).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second
+    for _ in range(2):
+        (linear_cross_entropy(h, w, target, **options) * mask).sum().backward()
+    still_asleep = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_asleep and h.grad.isfinite().all()
+
+
 def test_upstream_mismatch_nan_is_caught_on_the_gpu(walks):
     """The verdict's pinned host copy and its event: a loss weighed otherwise than the mask gives
-    NaN gradients, the next call raises (reading the copy, no drain), the one after runs."""
+    NaN gradients, the second call after raises (reading the copy, no drain), the calls before
+    and after run."""
     n, v, d = SHAPE
     hidden, weight, target, _ = make_problem(n, v, d, torch.bfloat16, "peaked", seed=24)
     h, w, target = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_(), target.cuda()
@@ -100,6 +123,7 @@ def test_upstream_mismatch_nan_is_caught_on_the_gpu(walks):
     loss = linear_cross_entropy(h, w, target, **options)
     (loss * mask * torch.linspace(0.5, 1.5, n, device="cuda")).sum().backward()
     assert h.grad.isnan().all() and w.grad.isnan().all()
+    assert linear_cross_entropy(h.detach(), w.detach(), target, **options).isfinite().all()
     with pytest.raises(RuntimeError, match="upstream_mismatch='recompute'"):
         linear_cross_entropy(h, w, target, **options)
     assert linear_cross_entropy(h.detach(), w.detach(), target, **options).isfinite().all()

@@ -158,26 +158,36 @@ def test_ranks_with_their_own_upstream_scale(world, sequence_parallel, tmp_path)
                  interpret=True)
 
 
-def nan_verdict_suite(rank: int, world: int) -> list[str]:
+def nan_verdict_suite(rank: int, world: int, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32,
+                      agree_every_call: bool = True) -> list[str]:
     """``upstream_mismatch="nan"`` across ranks: one rank's upstream gradient is not the mask's,
     so every rank's gradients are NaN (the verdicts are combined on the device, never read in
-    the backward) and every rank's next call raises, together; the call after it runs."""
+    the backward) and every rank's second call after it raises, together; the calls before and
+    after it run. On ``device`` ("cuda": each rank on its own GPU), with the Megatron adapter's
+    ``agree_every_call=False`` where asked."""
+    if device == "cuda":
+        device = f"cuda:{rank}"
     errors = []
-    hidden, weight, target, mask = _problem(torch.float32)
+    hidden, weight, target, mask = (x.to(device) for x in _problem(dtype))
     bounds = [V * r // world for r in range(world + 1)]
     lo, hi = bounds[rank], bounds[rank + 1]
     h = hidden.clone().requires_grad_()
     w = weight[lo:hi].clone().requires_grad_()
     options = dict(reduction="none", loss_mask=mask, token_chunk_size=7, impl="cce",
-                   upstream_mismatch="nan")
+                   upstream_mismatch="nan", agree_every_call=agree_every_call)
     loss = vocab_parallel_linear_cross_entropy(h, w, target, **options)
-    upstream = torch.linspace(0.2, 1.7, N) if rank == world - 1 else 0.5 * mask
+    upstream = (torch.linspace(0.2, 1.7, N, device=device) if rank == world - 1
+                else 0.5 * mask)
     (loss * upstream).sum().backward()
     if not (h.grad.isnan().all() and w.grad.isnan().all()):
         errors.append(f"tp={world} rank={rank}: gradients not NaN")
+    loss = vocab_parallel_linear_cross_entropy(hidden, weight[lo:hi], target, **options)
+    if not loss.isfinite().all():
+        errors.append(f"tp={world} rank={rank}: the call before the error is not finite")
     try:
         vocab_parallel_linear_cross_entropy(hidden, weight[lo:hi], target, **options)
-        errors.append(f"tp={world} rank={rank}: the next call did not raise")
+        errors.append(f"tp={world} rank={rank}: the second call after did not raise")
     except RuntimeError as err:
         if "upstream_mismatch='recompute'" not in str(err):
             errors.append(f"tp={world} rank={rank}: {err}")
@@ -189,5 +199,8 @@ def nan_verdict_suite(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_upstream_mismatch_nan_poisons_every_rank_and_every_rank_raises(world, tmp_path):
-    run_on_ranks(world, nan_verdict_suite, out_dir=tmp_path, timeout_s=90, interpret=True)
+@pytest.mark.parametrize("agree_every_call", [True, False], ids=["agree-always", "agree-on-change"])
+def test_upstream_mismatch_nan_poisons_every_rank_and_every_rank_raises(world, agree_every_call,
+                                                                         tmp_path):
+    run_on_ranks(world, nan_verdict_suite, "cpu", torch.float32, agree_every_call,
+                 out_dir=tmp_path, timeout_s=90, interpret=True)

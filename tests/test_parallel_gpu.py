@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers_agreement import disagreement_suite
 from helpers_parallel import case, run_cases, run_on_ranks
-from test_forward_grad_parallel import vocab_shard_walk_suite
+from test_forward_grad_parallel import nan_verdict_suite, vocab_shard_walk_suite
 
 pytestmark = pytest.mark.requires_gpus(2)
 
@@ -89,3 +89,12 @@ def test_gradient_walk_nccl(world, sequence_parallel, dtype, tmp_path):
     recomputes on every rank, each against fp64."""
     run_on_ranks(world, vocab_shard_walk_suite, sequence_parallel, "cuda", dtype,
                  out_dir=tmp_path, backend="nccl", timeout_s=300, interpret=False)
+
+
+@pytest.mark.timeout(400)
+def test_upstream_mismatch_nan_every_rank_raises_nccl(tmp_path):
+    """The Megatron adapter's settings on NCCL (bf16, ``upstream_mismatch="nan"``, agreement on
+    change only): one rank's upstream gradient is not the mask's, every rank's gradients are
+    NaN, and every rank raises at the same call, the second after that backward."""
+    run_on_ranks(2, nan_verdict_suite, "cuda", BF16, False, out_dir=tmp_path, backend="nccl",
+                 timeout_s=300, interpret=False)
