@@ -6,8 +6,15 @@ takes every block's row max, as the first version did). One GPU.
 
 Per shape and configuration it prints the median ms of ``rounds`` interleaved rounds (the H100's
 clock moves between rounds more than configurations differ), the ratio to cuBLAS's ``mm`` into
-a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it) and the compiled kernel's
-registers and spills. The winner is what ``_CONFIGS["hopper"]`` should hold.
+a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it). "plain" configurations
+store the logits with no exponentials: what the same GEMM costs without its epilogue's work.
+The winner is what ``_CONFIGS["hopper"]`` should hold.
+
+On an H100 (2026-11-27, seventh session, 7 rounds; docs/benchmarks/single_gpu_h100_202611.md)
+the plain GEMM ran at 1.00-1.01x cuBLAS at the three widths, the default at 1.05-1.09x and the
+flattened tile loops at 1.02-1.07x. In the whole step the flattened loop was 2% faster at
+Gemma-2 N = 8192 on one machine, and within the noise (or 4% slower at Llama-3 N = 4096) on
+another, so the default stayed.
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ CONFIGS = {
     "split2 ws group16": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=16),
     "split2 ws group32": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=32),
     "256x128x64 s3 w8": ExpLogitsConfig(TileConfig(256, 128, 64, 8, 3)),
+    # The default (split2 ws, its group) storing plain logits: the GEMM with no exponentials.
+    "default plain": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, plain=True),
+    "split2 flatten": ExpLogitsConfig(_TILE, split=2, flatten=True),
+    "split2 ws flatten": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, flatten=True),
+    "s4 split2 flatten": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2, flatten=True),
+    "split2 flatten plain": ExpLogitsConfig(_TILE, split=2, flatten=True, plain=True),
 }
 
 

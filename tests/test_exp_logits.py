@@ -72,12 +72,14 @@ def test_target_logits_and_columns(softcap, with_bias):
 @pytest.mark.parametrize("d", [72, 70], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
-# Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one; and
-# the epilogue that takes every block's max (tune_exp_logits' comparison).
-@pytest.mark.parametrize("split, group, always_max", [(1, None, False), (2, 2, False),
-                                                      (2, None, True)],
-                         ids=["whole-tile", "split-epilogue-group2", "always-max"])
-def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_max):
+# Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one; the
+# epilogue that takes every block's max (tune_exp_logits' comparison); and the flattened,
+# warp-specialised tile loop (the interpreter runs it as a plain loop: this checks the wiring).
+@pytest.mark.parametrize("split, group, always_max, loops",
+                         [(1, None, False, {}), (2, 2, False, {}), (2, None, True, {}),
+                          (2, None, False, {"flatten": True, "warp_specialize": True})],
+                         ids=["whole-tile", "split-epilogue-group2", "always-max", "flatten-ws"])
+def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_max, loops):
     hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
     columns = _columns64(target, V).to(torch.int32)
     # Offsets as the walk passes them: the target logit (another shard's, here random).
@@ -85,7 +87,7 @@ def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_ma
     offsets = (torch.randn(N) * 2).float()
     out = torch.full((N, V + 5), float("nan"), dtype=torch.bfloat16)[:, :V]  # strided rows
     config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split, group=group,
-                             always_max=always_max)
+                             always_max=always_max, **loops)
     row_max, sum_exp, target_logit = exp_logits(hidden, weight, bias, columns, offsets, out,
                                                 softcap=softcap, round_16bit=False,
                                                 config=config)

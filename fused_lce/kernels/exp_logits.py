@@ -101,7 +101,7 @@ def _exponentials_epilogue(
     out_ptr, out_desc, stride_out,
     BLOCK_COLS: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
     ROUND: tl.constexpr, ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ALWAYS_MAX: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ALWAYS_MAX: tl.constexpr, PLAIN: tl.constexpr,
 ):
     """log sum exp per row of one (rows, BLOCK_COLS) block of the GEMM's accumulator, the
     target's column left out, storing exp(logit - offset) where asked.
@@ -111,8 +111,14 @@ def _exponentials_epilogue(
     rows overflows (a logit 88 nats over its offset) or is NaN are its sums taken again against
     max(offset, the block's max). The stored exponentials of such a row are out of range too;
     ``_repair_kernel`` stores them again. ``ALWAYS_MAX`` takes the max in every block (the
-    epilogue of 2026-11-27, for ``scripts/tune_exp_logits.py``)."""
+    epilogue of 2026-11-27, for ``scripts/tune_exp_logits.py``). ``PLAIN`` stores the logits
+    themselves and sums nothing: the GEMM's cost without the exponentials, for the same script.
+    """
     cols = col0 + tl.arange(0, BLOCK_COLS)
+    if PLAIN:
+        if STORE_TMA:
+            out_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
+        return tl.zeros_like(offset)
     col_mask = cols < n_cols
     logits, capped = logit_epilogue(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS,
                                     HAS_SOFTCAP, ROUND)
@@ -160,7 +166,8 @@ def _exp_logits_kernel(
     softcap,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PROGRAMS: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
-    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ALWAYS_MAX: tl.constexpr,
+    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    ALWAYS_MAX: tl.constexpr, PLAIN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
     ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
@@ -170,7 +177,7 @@ def _exp_logits_kernel(
     col_tiles = tl.cdiv(n_cols, BLOCK_V)
     per_group = GROUP * col_tiles
     for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, PROGRAMS,
-                         warp_specialize=WARP_SPECIALIZE):
+                         flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         first_row_tile = tile // per_group * GROUP
         group_rows = min(row_tiles - first_row_tile, GROUP)
         row_tile = first_row_tile + (tile % per_group) % group_rows
@@ -196,17 +203,17 @@ def _exp_logits_kernel(
             log_left = _exponentials_epilogue(
                 left, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE, STORE_TMA, ROUND,
-                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
+                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
             log_right = _exponentials_epilogue(
                 right, rows, row_mask, row0, col0 + BLOCK_V // 2, n_cols, offset, column,
                 bias_ptr, softcap, out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE,
-                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
+                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
             log_sum = _log_add(log_left, log_right)
         else:
             log_sum = _exponentials_epilogue(
                 acc, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V, STORE, STORE_TMA, ROUND, ROUND_OUT,
-                HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX)
+                HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
         tl.store(part_sum_ptr + col_tile * n_rows + rows, log_sum, mask=row_mask)
 
 
@@ -442,13 +449,19 @@ class ExpLogitsConfig:
     in its own warps (``warp_specialize``, Hopper and newer), and with each block's row max
     taken always (``always_max``, the first epilogue; for comparisons) or only where a row
     leaves exp's range. ``group`` row tiles are walked together, sharing weight tiles in L2
-    (None: ``_row_tile_group``'s choice)."""
+    (None: ``_row_tile_group``'s choice). ``flatten`` pipelines the tiles' loop and their
+    reduction loop as one, so a tile's first loads overlap the previous tile's epilogue (no
+    measurable gain in the step: scripts/tune_exp_logits.py's note). ``plain`` stores the logits
+    with no exponentials nor sums (wrong statistics: only for timing the GEMM alone in
+    scripts/tune_exp_logits.py)."""
 
     tile: TileConfig
     split: int = 1
     warp_specialize: bool = False
     always_max: bool = False
     group: int | None = None
+    flatten: bool = False
+    plain: bool = False
 
 
 def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
@@ -461,9 +474,12 @@ def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
 
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
 # (docs/benchmarks/single_gpu_h100_202611.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
-# two halves of the tile and in warps of its own: 0.99-1.10x cuBLAS's plain GEMM, the best mean
-# of seven variants (whole epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep
-# tiles in 2 stages were 1.27-1.43x.
+# two halves of the tile: 0.99-1.10x cuBLAS's plain GEMM, the best mean of seven variants (whole
+# epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep tiles in 2 stages were
+# 1.27-1.43x. The same GEMM storing plain logits runs at 1.00-1.01x cuBLAS (2026-11-27, seventh
+# session), so the rest is the exponentials' arithmetic, which Hopper's warp specialisation in
+# Triton (a loading warp, the MMA and epilogue in the same warps) does not overlap with the next
+# tile's MMAs.
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.
     "interpreter": ExpLogitsConfig(TileConfig(64, 128, 64, num_warps=4, num_stages=1), split=2),
@@ -574,7 +590,7 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             PROGRAMS=programs, TMA=tma, STORE=out is not None, STORE_TMA=store_tma,
             # Warp specialisation was measured over tensor descriptors only.
             SPLIT=config.split, WARP_SPECIALIZE=config.warp_specialize and tma,
-            ALWAYS_MAX=config.always_max,
+            FLATTEN=config.flatten, ALWAYS_MAX=config.always_max, PLAIN=config.plain and store_tma,
             DOT_FP32=dot_fp32, DOT_PRECISION=precision,
             ROUND=round_code(hidden.dtype, round_16bit),
             ROUND_OUT=0 if out is None else _out_round(out.dtype),
