@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -39,29 +38,8 @@ def _script(name: str):
 
 
 host_breakdown = _script("host_breakdown")
-bench_lce = host_breakdown.bench_lce
 
-from fused_lce import forward_grad, linear_cross_entropy  # noqa: E402
-
-
-def single_device_step(model: str, n_tokens: int, tp: int):
-    """The adapter's options on the single-device op."""
-    cfg = bench_lce.load_model_config(model)
-    vocab = math.ceil(cfg.vocab_size / tp)
-    case = bench_lce.Case(model, n_tokens, vocab, cfg.hidden_size, "trained")
-    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
-    target = target % vocab
-    mask = torch.ones(n_tokens, device="cuda")
-    h, w = hidden.requires_grad_(), weight.requires_grad_()
-
-    def step():
-        h.grad = None
-        w.grad = None
-        losses = linear_cross_entropy(h, w, target, impl="cce", reduction="none",
-                                      loss_mask=mask, check_targets=False,
-                                      upstream_mismatch="nan")
-        (losses * mask).sum().backward()
-    return step
+from fused_lce import forward_grad  # noqa: E402
 
 
 def step_ms(step, steps: int = 20) -> float:
@@ -90,9 +68,8 @@ def main(argv=None) -> None:
     for spec in args.cases:
         model, tokens, *tp = spec.split(":")
         shards = int(tp[0]) if tp else 1
-        for label, make in (("op", single_device_step),
-                            ("layer, 1 rank", host_breakdown.make_parallel_step)):
-            step = make(model, int(tokens), shards)
+        for label, layer in (("op", False), ("layer, 1 rank", True)):
+            step = host_breakdown.make_adapter_step(model, int(tokens), shards, layer)
             times = {1: [], 2: []}
             try:
                 for _ in range(args.rounds):

@@ -200,15 +200,16 @@ def make_step(model: str, n_tokens: int, tp: int, **options):
     return step
 
 
-def make_parallel_step(model: str, n_tokens: int, tp: int):
-    """The Megatron adapter's call (parallel/megatron_patch.py: reduction "none" with the loss
-    mask, no target check, agreement only on change, the verdict left to the device) on a
-    one-rank NCCL group: the parallel layer's host work without peers to wait for."""
+def make_adapter_step(model: str, n_tokens: int, tp: int, layer: bool = True):
+    """A step of the Megatron adapter's call (parallel/megatron_patch.py: reduction "none" with
+    the loss mask, no target check, the verdict left to the device, and for the layer agreement
+    only on change): through the vocab-parallel layer on a one-rank NCCL group (the layer's
+    host work without peers to wait for), or with ``layer=False`` through the op alone."""
     import torch.distributed as dist
 
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
-    if not dist.is_initialized():
+    if layer and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl", rank=0, world_size=1)
@@ -220,13 +221,17 @@ def make_parallel_step(model: str, n_tokens: int, tp: int):
     mask = torch.ones(n_tokens, device="cuda")
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
+    options = dict(reduction="none", loss_mask=mask, check_targets=False,
+                   upstream_mismatch="nan")
 
     def step():
         h.grad = None
         w.grad = None
-        losses = vocab_parallel_linear_cross_entropy(
-            h, w, target, reduction="none", check_targets=False, agree_every_call=False,
-            upstream_mismatch="nan", loss_mask=mask)
+        if layer:
+            losses = vocab_parallel_linear_cross_entropy(h, w, target, agree_every_call=False,
+                                                         **options)
+        else:
+            losses = linear_cross_entropy(h, w, target, impl="cce", **options)
         (losses * mask).sum().backward()
     return step
 
@@ -336,7 +341,7 @@ def main(argv=None) -> None:
             # Behind a sleeping GPU a verdict's read (VERDICT_LAG_CALLS calls after its
             # backward) waits: put off past the measurement, the host's own time shows.
             forward_grad.VERDICT_LAG_CALLS = 1000
-            step = make_parallel_step(model, int(tokens), int(tp[0]) if tp else 1)
+            step = make_adapter_step(model, int(tokens), int(tp[0]) if tp else 1)
             print(f"\n## {spec}, the Megatron adapter's call on a one-rank NCCL group: "
                   f"host ms per step {host_steady_ms(step):.2f} back to back")
             cprofile_steps(step, args.cprofile)
