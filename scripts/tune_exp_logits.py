@@ -50,6 +50,13 @@ CONFIGS = {
     "split2 ws flatten": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, flatten=True),
     "s4 split2 flatten": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2, flatten=True),
     "split2 flatten plain": ExpLogitsConfig(_TILE, split=2, flatten=True, plain=True),
+    # Two programs resident per multiprocessor (128 x 128 accumulators: half the registers), so
+    # that one's epilogue can overlap the other's MMAs. Not yet run on a GPU.
+    "128x128x64 s3 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3), programs_per_sm=2),
+    "128x128x64 s3 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 3), programs_per_sm=2),
+    "128x128x64 s3 w4 2/SM plain": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3),
+                                                   programs_per_sm=2, plain=True),
+    "128x128x64 s3 w4 1/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3)),
 }
 
 

@@ -73,12 +73,15 @@ def test_target_logits_and_columns(softcap, with_bias):
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
 # Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one; the
-# epilogue that takes every block's max (tune_exp_logits' comparison); and the flattened,
-# warp-specialised tile loop (the interpreter runs it as a plain loop: this checks the wiring).
+# epilogue that takes every block's max (tune_exp_logits' comparison); the flattened,
+# warp-specialised tile loop (the interpreter runs it as a plain loop: this checks the wiring);
+# and twice the persistent programs, each walking fewer tiles.
 @pytest.mark.parametrize("split, group, always_max, loops",
                          [(1, None, False, {}), (2, 2, False, {}), (2, None, True, {}),
-                          (2, None, False, {"flatten": True, "warp_specialize": True})],
-                         ids=["whole-tile", "split-epilogue-group2", "always-max", "flatten-ws"])
+                          (2, None, False, {"flatten": True, "warp_specialize": True}),
+                          (1, None, False, {"programs_per_sm": 2})],
+                         ids=["whole-tile", "split-epilogue-group2", "always-max", "flatten-ws",
+                              "two-programs-per-sm"])
 def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_max, loops):
     hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
     columns = _columns64(target, V).to(torch.int32)

@@ -453,7 +453,10 @@ class ExpLogitsConfig:
     reduction loop as one, so a tile's first loads overlap the previous tile's epilogue (no
     measurable gain in the step: scripts/tune_exp_logits.py's note). ``plain`` stores the logits
     with no exponentials nor sums (wrong statistics: only for timing the GEMM alone in
-    scripts/tune_exp_logits.py)."""
+    scripts/tune_exp_logits.py). ``programs_per_sm`` persistent programs share each
+    multiprocessor: with tiles small enough for two to be resident, one program's epilogue can
+    run while the other's MMAs do, which Triton's Hopper warp specialisation does not arrange
+    within one program."""
 
     tile: TileConfig
     split: int = 1
@@ -462,6 +465,7 @@ class ExpLogitsConfig:
     group: int | None = None
     flatten: bool = False
     plain: bool = False
+    programs_per_sm: int = 1
 
 
 def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
@@ -580,7 +584,8 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             w_desc = tma_descriptor(weight, cfg.block_v, cfg.block_d)
         if store_tma:
             out_desc = tma_descriptor(out, cfg.block_n, cfg.block_v // config.split)
-        programs = min(triton.cdiv(n_rows, cfg.block_n) * col_tiles, num_sms(hidden.device))
+        programs = min(triton.cdiv(n_rows, cfg.block_n) * col_tiles,
+                       num_sms(hidden.device) * config.programs_per_sm)
         _exp_logits_kernel[(programs,)](
             hidden, weight, x_desc, w_desc, out, out_desc, bias, offset, columns, part_sum,
             n_rows, n_cols, d_model, hidden.stride(0), hidden.stride(1), weight.stride(0),
