@@ -2,10 +2,10 @@
 # root; $OUT is the call's output folder. Each call began with
 #   python3 -m pip install -q --no-deps --no-build-isolation -e .
 #
-# Machine 0 (H100), at 7ecc10d plus the cProfile option of scripts/host_breakdown.py:
+# Machine P (H100), at 7ecc10d plus the cProfile option of scripts/host_breakdown.py:
 #   python3 scripts/host_breakdown.py --cases phi3_5_mini:4096 gemma2_2b:4096:4 llama3_8b:8192:8 \
 #       --cprofile 4 --parallel                                     # host_cprofile_before.log
-# Machine 0, at 15432cd's op:
+# Machine 0 (H100), at 15432cd's op:
 #   python3 -m pytest -q tests/test_forward_grad_gpu.py              # gpu_tests_forward_grad.log
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from fused_lce import forward_grad; \
 #       forward_grad.VERDICT_LAG_CALLS = 1; import pytest; \
