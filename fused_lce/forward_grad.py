@@ -204,9 +204,9 @@ class _PendingVerdict:
 
 
 # A backward's verdict is read by the op call this many calls after it, not by the next one. The
-# next call would wait for the backward's kernels: in a loop of loss steps the host could then
-# queue nothing ahead of the GPU. Counted in calls, not found by polling the event, so that the
-# ranks of a group, which make the same calls, all raise at the same one.
+# next call would wait for that backward's kernels: the host could never queue more than a step
+# ahead of the GPU. Counted in calls, not found by polling the event, so that the ranks of a
+# group, which make the same calls, all raise at the same one.
 VERDICT_LAG_CALLS = 2
 
 _PENDING: deque[_PendingVerdict] = deque()
