@@ -123,6 +123,13 @@ def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_ma
     assert (out[~keep] == 0).all()
 
 
+@pytest.mark.parametrize("programs_per_sm", [0, -1, 1.5])
+def test_programs_per_sm_must_be_a_positive_integer(programs_per_sm):
+    tile = exp_logits_config(torch.device("cpu")).tile
+    with pytest.raises(ValueError, match="programs_per_sm must be an integer >= 1"):
+        ExpLogitsConfig(tile, programs_per_sm=programs_per_sm)
+
+
 def test_exponentials_without_storage_give_the_same_sums():
     hidden, weight, bias, target = _problem(72, seed=3)
     columns = _columns64(target, 0).to(torch.int32)

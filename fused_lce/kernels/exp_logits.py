@@ -467,6 +467,12 @@ class ExpLogitsConfig:
     plain: bool = False
     programs_per_sm: int = 1
 
+    def __post_init__(self):
+        # Zero programs would launch an empty grid: statistics left unwritten, no error.
+        if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be an integer >= 1, got "
+                             f"{self.programs_per_sm!r}")
+
 
 def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
     """Row tiles walked together. scripts/tune_exp_logits.py on an H100, two runs: 16 is 0.4-5%
