@@ -14,7 +14,9 @@ On an H100 (2026-11-27, seventh session, 7 rounds; docs/benchmarks/single_gpu_h1
 the plain GEMM ran at 1.00-1.01x cuBLAS at the three widths, the default at 1.05-1.09x and the
 flattened tile loops at 1.02-1.07x. In the whole step the flattened loop was 2% faster at
 Gemma-2 N = 8192 on one machine, and within the noise (or 4% slower at Llama-3 N = 4096) on
-another, so the default stayed.
+another, so the default stayed. Two programs per SM with 128 x 128 tiles (eighth session, 5
+rounds) ran 1.22-1.41x cuBLAS, and 1.18-1.31x storing plain logits: Triton's main loop at
+those tiles, not the epilogue, is what trails there.
 """
 
 from __future__ import annotations
@@ -51,12 +53,23 @@ CONFIGS = {
     "s4 split2 flatten": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2, flatten=True),
     "split2 flatten plain": ExpLogitsConfig(_TILE, split=2, flatten=True, plain=True),
     # Two programs resident per multiprocessor (128 x 128 accumulators: half the registers), so
-    # that one's epilogue can overlap the other's MMAs. Not yet run on a GPU.
+    # that one's epilogue can overlap the other's MMAs. On an H100 (eighth session) even storing
+    # plain logits these tiles ran 1.18-1.31x cuBLAS: no overlap wins that back.
     "128x128x64 s3 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3), programs_per_sm=2),
     "128x128x64 s3 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 3), programs_per_sm=2),
     "128x128x64 s3 w4 2/SM plain": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3),
                                                    programs_per_sm=2, plain=True),
     "128x128x64 s3 w4 1/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3)),
+    # Two 3-stage programs (96 KiB of operands each, plus the store's tile) may not fit one
+    # multiprocessor's 227 KiB of shared memory; two 2-stage ones do.
+    "128x128x64 s2 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2), programs_per_sm=2),
+    "128x128x64 s2 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 2), programs_per_sm=2),
+    "128x128x64 s2 w4 2/SM split2": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2), split=2,
+                                                    programs_per_sm=2),
+    "128x128x64 s2 w4 2/SM ws": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2),
+                                                warp_specialize=True, programs_per_sm=2),
+    "128x128x64 s2 w4 2/SM plain": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2),
+                                                   programs_per_sm=2, plain=True),
 }
 
 
