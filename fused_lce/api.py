@@ -190,7 +190,7 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
     check_loss_mask(loss_mask, target, opts.reduction)
     impl = resolve_impl(opts, input.device, input.dtype)
     n_classes = weight.shape[0] if opts.num_classes is None else opts.num_classes
-    # The cce impl reads the target check's verdict once its first GEMM is queued.
+    # The cce impl reads the target check's verdict once its whole forward is queued.
     defer_check = check_targets and impl == "cce"
     if check_targets and not defer_check:
         check_target_range(target, opts.ignore_index, n_classes)

@@ -143,10 +143,10 @@ class PendingTargetCheck:
 
     ``check_target_range`` drains the GPU's queue: the host waits for everything queued before
     it, and the GPU then idles until the host queues the op's first kernel. Read instead once
-    the op has queued a kernel that does not read the targets (the first chunk's logit GEMM),
-    the host waits for the check alone while the GPU runs that kernel. ``wait`` raises the same
-    error, before the op forms any result from the targets. (The kernels mask every target they
-    read against the shard's columns, so a bad one never addresses memory.)
+    the op has queued its whole forward, the host waits for the check while the GPU runs that
+    work. ``wait`` raises the same error before the op returns; what it formed from the
+    targets is dropped. (The kernels mask every target they read against the shard's columns,
+    so a bad one never addresses memory.)
     """
 
     def __init__(self, target: torch.Tensor, ignore_index: int, n_classes: int):

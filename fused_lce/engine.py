@@ -105,7 +105,7 @@ class ShardCall:
     reducer: Any = LOCAL  # a ShardReducer
     weight_grad_accumulator: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
-    target_check: Any = None  # a checks.PendingTargetCheck, read before the targets are used
+    target_check: Any = None  # a checks.PendingTargetCheck, read before the forward returns
     caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
     # Whether autograd records the call, read before apply: inside forward grad mode is off,
     # and needs_input_grad does not see torch.no_grad().
@@ -321,7 +321,6 @@ class LCEFunction(torch.autograd.Function):
         plan = _token_walk_plan(call, hidden, weight, needs)
         ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
         if plan is None:
-            _read_target_check(call)
             ctx.state, stats = strategy.statistics(inputs)
             lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
         elif not any(needs):
@@ -346,6 +345,10 @@ class LCEFunction(torch.autograd.Function):
         lse = torch.where(valid, lse, zero)
         nll = torch.where(valid, nll, zero)
         loss = reduce_tokens(loss, n_valid, opts.reduction)
+        # Read with the whole forward queued, so that the GPU runs it while the host waits for
+        # the check (queued first). Read after the first chunk's GEMM, the GPU idled once that
+        # GEMM was done until the host had queued the chunk's next kernels.
+        _read_target_check(call)
 
         ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
         ctx.strategy, ctx.call = strategy, call
@@ -430,8 +433,8 @@ def single_device_loss(
     target_check: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device, validated
-    targets (N,) included. ``target_check``: a checks.PendingTargetCheck read before the targets
-    are; ``caller``: what the errors name."""
+    targets (N,) included. ``target_check``: a checks.PendingTargetCheck read once the forward is
+    queued; ``caller``: what the errors name."""
     if opts.num_classes is not None:
         # Autograd of the slice gives the padding rows their zero gradient.
         weight = weight[: opts.num_classes]
@@ -491,8 +494,6 @@ def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, nee
     for start in range(0, n_rows, plan.chunk_rows):
         rows = slice(start, min(n_rows, start + plan.chunk_rows))
         chunks.compute_logits(rows, None if offsets is None else offsets[rows])
-        # The host waits for the check while the GPU computes the first chunk's logits.
-        _read_target_check(call)
         stats = global_statistics(chunks.statistics(rows), call.reducer)
         if kept is None:
             kept = tuple(None if x is None else x.new_empty(n_rows)

@@ -306,6 +306,58 @@ def test_loss_mask_is_checked_before_any_kernel():
                              loss_mask=torch.ones(N, dtype=torch.int64))
 
 
+class _RecordedCheck:
+    """A stand-in for checks.PendingTargetCheck that notes when the op reads it, and may fail."""
+
+    def __init__(self, events: list[str], error: Exception | None):
+        self.events, self.error = events, error
+
+    def wait(self) -> None:
+        self.events.append("target check read")
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", [{}, {"token_chunk_size": 16}, {"scratch_mb": 0.01}],
+                         ids=["default", "chunks", "lean"])
+@pytest.mark.parametrize("fails", [False, True], ids=["passes", "fails"])
+def test_target_check_is_read_once_the_forward_is_queued(monkeypatch, dtype, options, fails):
+    """The deferred target check (CUDA only, so faked here) is read once, after the last chunk's
+    gradients (or the lean mode's statistics) are queued, so the GPU has the call's work while
+    the host waits; its error still ends the call."""
+    from fused_lce import api, triton_shard
+
+    events: list[str] = []
+    error = ValueError("target holds class 9999") if fails else None
+    monkeypatch.setattr(api, "start_target_check",
+                        lambda *args: _RecordedCheck(events, error))
+    for cls, name in ((triton_shard._ChunkGradients, "finish"),
+                      (triton_shard.ExpGradientChunks, "finish"),
+                      (triton_shard.TritonShard, "statistics")):
+        original = cls.__dict__[name]
+        function = original.__func__ if isinstance(original, staticmethod) else original
+
+        def spy(*args, _function=function, _name=name, **kwargs):
+            events.append(_name)
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, staticmethod(spy) if isinstance(original, staticmethod)
+                            else spy)
+    hidden, weight, target, _ = make_problem(N, V, D, dtype, "peaked", seed=6)
+    call = lambda: linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(),  # noqa: E731
+                                        target, impl="cce", **options)
+    if fails:
+        with pytest.raises(ValueError, match="class 9999"):
+            call()
+    else:
+        call().backward()
+    last_work = "statistics" if options.get("scratch_mb") else "finish"
+    assert events.count("target check read") == 1
+    assert events.index("target check read") > events.index(last_work)
+    assert events.index("target check read") == len(events) - 1 or not fails
+
+
 # --- the planner -------------------------------------------------------------------------------
 
 

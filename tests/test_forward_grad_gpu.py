@@ -131,15 +131,22 @@ def test_upstream_mismatch_nan_is_caught_on_the_gpu(walks):
 
 @pytest.mark.parametrize("grad", [True, False], ids=["walk", "no-grad"])
 @pytest.mark.parametrize("bad", [20011, -3])
-def test_out_of_range_targets_raise(grad, bad):
-    """The target check, read once the first GEMM is queued, still raises the same error."""
+@pytest.mark.parametrize("dtype, options", [
+    (torch.bfloat16, {}), (torch.bfloat16, {"token_chunk_size": 512}), (torch.float32, {}),
+    (torch.bfloat16, {"scratch_mb": 1}),
+], ids=["bf16", "bf16-chunks", "fp32", "lean"])
+def test_out_of_range_targets_raise(grad, bad, dtype, options):
+    """The target check, read once the whole forward is queued, still raises the same error,
+    after kernels that met the bad target and addressed no memory out of bounds (the next
+    synchronisation would report it)."""
     n, v, d = 1500, 20011, 257
-    hidden, weight, target, _ = make_problem(n, v, d, torch.bfloat16, "peaked", seed=4)
+    hidden, weight, target, _ = make_problem(n, v, d, dtype, "peaked", seed=4)
     hidden, weight, target = hidden.cuda(), weight.cuda(), target.cuda()
     target[n // 2] = bad
     hidden.requires_grad_(grad)
     with pytest.raises(ValueError, match=f"target holds class {bad}, outside \\[0, {v}\\)"):
-        linear_cross_entropy(hidden, weight, target, impl="cce")
+        linear_cross_entropy(hidden, weight, target, impl="cce", **options)
+    torch.cuda.synchronize()
     target[n // 2] = -100  # ignore_index passes, and the op still runs after the error
-    loss = linear_cross_entropy(hidden, weight, target, impl="cce")
+    loss = linear_cross_entropy(hidden, weight, target, impl="cce", **options)
     assert torch.isfinite(loss)
