@@ -18,17 +18,16 @@ from torch import nn
 
 # validate, resolve_impl, class_ids and check_target_range live in checks.py, shared with the
 # vocab-parallel layer; they stay importable from here.
+from . import faults
 from .checks import (  # noqa: F401
     check_flag,
     check_loss_mask,
     check_target_range,
     class_ids,
     resolve_impl,
-    start_target_check,
     validate,
 )
 from .engine import single_device_loss
-from .forward_grad import unread_mismatch_error
 from .options import LCEOptions, without_backward_options
 
 
@@ -53,7 +52,7 @@ def linear_cross_entropy(
     round_logits: bool = False,
     recompute_logits: bool = True,
     fp32_weight_grad: bool = True,
-    upstream_mismatch: str = "recompute",
+    upstream_mismatch: str = "auto",
     chunk_by: str = "vocab",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
@@ -97,10 +96,12 @@ def linear_cross_entropy(
         fp32_weight_grad: cce, gradient-in-forward backward: sum the weight gradient over
             token chunks in fp32 (False: in the weight's dtype, one rounding a chunk, as Liger
             does, so a tight ``scratch_mb`` needs no fp32 accumulator).
-        upstream_mismatch: gradient-in-forward backward, reduction "none": where the per-token
-            upstream gradient is not ``c * loss_mask``, "recompute" the gradients exactly (one
-            host sync a backward reads the verdict) or return "nan" gradients, the op's second
-            call after that backward raising (no host sync).
+        upstream_mismatch: reduction "none": "auto" computes the gradients in the forward for
+            ``c * loss_mask`` when ``loss_mask`` is given (checked as "nan"), else takes the
+            recomputing backward (exact for any upstream gradient); "nan": where the per-token
+            upstream gradient is not ``c * loss_mask``, NaN gradients and a later call raises
+            (no host sync); "recompute": such gradients recomputed exactly (one host sync a
+            backward).
         chunk_by: chunked impl: "vocab" or "tokens" (gradients in the forward, as cce's default).
         vocab_chunk_size, token_chunk_size: chunk sizes of the chunked impl (env overrides:
             FUSED_LCE_VOCAB_CHUNK, FUSED_LCE_TOKEN_CHUNK).
@@ -108,8 +109,11 @@ def linear_cross_entropy(
             (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
         tma: cce: False keeps the pointer kernels rather than TMA tensor descriptors (env
             FUSED_LCE_TMA=0); None: the environment's choice, on by default.
-        check_targets: raise on targets outside [0, num_classes) (costs one host sync on GPUs;
-            False for tensors on the meta device, which hold no values).
+        check_targets: check for targets outside [0, num_classes) on the device, without a host
+            sync: such a call's loss and gradients are NaN and it raises ValueError where its
+            verdict reaches the host (CPU: in the call; GPU: a later call, or
+            ``fused_lce.raise_deferred_errors()``). ``impl="torch"`` checks at once. False for
+            tensors on the meta device, which hold no values.
 
     Returns:
         The loss (fp32; fp64 for fp64 inputs), and with ``return_lse`` the pair (loss, lse).
@@ -183,16 +187,13 @@ class LinearCrossEntropy(nn.Module):
 
 def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
               loss_mask: torch.Tensor | None = None):
-    unread = unread_mismatch_error()
-    if unread is not None:
-        raise unread
+    if isinstance(input, torch.Tensor):
+        faults.raise_found(input.device)  # an earlier call's fault, once its verdict is here
     validate(input, weight, target, bias, opts, check_targets=False)
     check_loss_mask(loss_mask, target, opts.reduction)
     impl = resolve_impl(opts, input.device, input.dtype)
     n_classes = weight.shape[0] if opts.num_classes is None else opts.num_classes
-    # The cce impl reads the target check's verdict once its whole forward is queued.
-    defer_check = check_targets and impl == "cce"
-    if check_targets and not defer_check:
+    if check_targets and impl == "torch":
         check_target_range(target, opts.ignore_index, n_classes)
     batch_shape = target.shape
     # Not reshape(-1, D): with D = 0 the -1 is ambiguous.
@@ -201,19 +202,17 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
     if impl == "cce" and hidden.shape[0] > 0:
         from .triton_shard import TritonShard
 
-        target_check = (start_target_check(flat_target, opts.ignore_index, n_classes)
-                        if defer_check else None)
         loss, lse = single_device_loss(
             hidden, weight, flat_target, bias, without_backward_options(opts, hidden, weight, bias),
             TritonShard, caller="linear_cross_entropy(impl='cce')", loss_mask=loss_mask,
-            target_check=target_check)
+            check_targets=check_targets)
     elif impl == "chunked" and hidden.shape[0] > 0:
         from .chunked import ChunkedShard
 
         loss, lse = single_device_loss(hidden, weight, flat_target, bias, opts, ChunkedShard,
                                        caller=f"linear_cross_entropy(impl='chunked', "
                                               f"chunk_by={opts.chunk_by!r})",
-                                       loss_mask=loss_mask)
+                                       loss_mask=loss_mask, check_targets=check_targets)
     else:
         from .reference import reference_linear_cross_entropy
 

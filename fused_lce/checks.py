@@ -120,7 +120,9 @@ def check_loss_mask(
 
 
 def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) -> None:
-    """Raise if a target other than ``ignore_index`` lies outside [0, n_classes) (a host sync)."""
+    """Raise if a target other than ``ignore_index`` lies outside [0, n_classes): a host sync,
+    taken by ``impl="torch"`` (the oracle) and by ``validate``; the training path checks on the
+    device instead (fused_lce/faults.py)."""
     if target.numel() == 0:
         return
     if target.device.type == "meta":
@@ -136,49 +138,6 @@ def check_target_range(target: torch.Tensor, ignore_index: int, n_classes: int) 
             f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
             f"({ignore_index})"
         )
-
-
-class PendingTargetCheck:
-    """The target range check of a CUDA call, queued on the device now and read later.
-
-    ``check_target_range`` drains the GPU's queue: the host waits for everything queued before
-    it, and the GPU then idles until the host queues the op's first kernel. Read instead once
-    the op has queued its whole forward, the host waits for the check while the GPU runs that
-    work. ``wait`` raises the same error before the op returns; what it formed from the
-    targets is dropped. (The kernels mask every target they read against the shard's columns,
-    so a bad one never addresses memory.)
-    """
-
-    def __init__(self, target: torch.Tensor, ignore_index: int, n_classes: int):
-        target = class_ids(target)
-        self._range = (target, ignore_index, n_classes)
-        bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-        self._any_bad = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._any_bad.copy_(bad.any(), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-
-    def wait(self) -> None:
-        """Raise if a target is out of range; a no-op once read."""
-        if self._range is None:
-            return
-        target, ignore_index, n_classes = self._range
-        self._range = None
-        self._copied.synchronize()
-        if bool(self._any_bad):
-            check_target_range(target, ignore_index, n_classes)
-
-
-def start_target_check(
-    target: torch.Tensor, ignore_index: int, n_classes: int
-) -> PendingTargetCheck | None:
-    """A ``PendingTargetCheck`` for CUDA targets; elsewhere the check runs at once (None)."""
-    if target.numel() == 0:
-        return None
-    if not target.is_cuda:
-        check_target_range(target, ignore_index, n_classes)
-        return None
-    return PendingTargetCheck(target, ignore_index, n_classes)
 
 
 def class_ids(target: torch.Tensor) -> torch.Tensor:

@@ -275,45 +275,37 @@ class ChunkedShard:
         return tensor.mul_(scale.to(tensor.dtype))
 
     @staticmethod
-    def recompute_state(inputs: ShardInputs):
-        """The non-ignored rows and their targets as columns of this shard (-1: another's)."""
+    def recompute_state(inputs: ShardInputs) -> torch.Tensor:
+        """Every row's target as a column of this shard (-1: another shard's, or ignored).
+        Ignored rows are computed too, and then dropped: gathering the others would size a
+        tensor by a device value, a host sync."""
         target, n_local = inputs.target, inputs.weight.shape[0]
-        valid = (target != inputs.opts.ignore_index).nonzero().squeeze(1)
-        local = target.index_select(0, valid) - inputs.vocab_start
-        return valid, torch.where((local >= 0) & (local < n_local), local, -1)
+        local = target - inputs.vocab_start
+        owned = (target != inputs.opts.ignore_index) & (local >= 0) & (local < n_local)
+        return torch.where(owned, local, -1)
 
     @staticmethod
     def statistics(inputs: ShardInputs):
-        valid, local = ChunkedShard.recompute_state(inputs)
-        stats = vocab_statistics(inputs.hidden.index_select(0, valid), inputs.weight, inputs.bias,
-                                 local, inputs.opts)
-        n = inputs.hidden.shape[0]
+        local = ChunkedShard.recompute_state(inputs)
+        stats = vocab_statistics(inputs.hidden, inputs.weight, inputs.bias, local, inputs.opts)
+        valid = inputs.target != inputs.opts.ignore_index
         fills = (float("-inf"), 0.0, 0.0, 0.0)
-        full = []
-        for value, fill in zip(stats, fills):
-            if value is None:
-                full.append(None)
-                continue
-            out = torch.full((n,), fill, dtype=value.dtype, device=value.device)
-            full.append(out.index_copy_(0, valid, value))
-        return (valid, local), ShardStatistics(*full)
+        full = [None if value is None else torch.where(valid, value, fill)
+                for value, fill in zip(stats, fills)]
+        return local, ShardStatistics(*full)
 
     @staticmethod
-    def backward(state, inputs: ShardInputs, request: ShardGradRequest):
-        valid, local = state
+    def backward(local, inputs: ShardInputs, request: ShardGradRequest):
         hidden, bias, needs = inputs.hidden, inputs.bias, request.needs
-        pick = lambda t: None if t is None else t.index_select(0, valid)  # noqa: E731
-        coefs = request.coefs
-        coefs = GradCoefficients(
-            pick(coefs.p_coef), pick(coefs.target_grad), pick(coefs.smooth_coef)
-        )
+        # An ignored row's coefficients are 0; an lse of +inf also makes its softmax 0 (its
+        # saved lse is 0, and exp(logit - 0) may overflow into inf * 0).
+        valid = inputs.target != inputs.opts.ignore_index
+        lse = torch.where(valid, request.lse, float("inf"))
         d_rows, d_weight, d_bias = vocab_backward(
-            hidden.index_select(0, valid), inputs.weight, bias, local, pick(request.lse), coefs,
-            inputs.opts, (True, needs[1], needs[2]),
+            hidden, inputs.weight, bias, local, lse, request.coefs, inputs.opts,
+            (True, needs[1], needs[2]),
         )
-        partial_dtype = request.d_hidden_dtype
-        d_hidden = torch.zeros(hidden.shape, dtype=partial_dtype, device=hidden.device)
-        d_hidden.index_copy_(0, valid, d_rows.to(partial_dtype))
+        d_hidden = d_rows.to(request.d_hidden_dtype)
         if d_bias is not None:
             d_bias = d_bias.to(bias.dtype)
         accumulator = request.d_weight_accumulator

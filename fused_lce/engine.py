@@ -22,11 +22,11 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from . import faults
 from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
     mismatch_found,
-    note_unread_mismatch,
     poisoned_scale,
     upstream_scale,
     warn_recompute,
@@ -105,7 +105,8 @@ class ShardCall:
     reducer: Any = LOCAL  # a ShardReducer
     weight_grad_accumulator: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
-    target_check: Any = None  # a checks.PendingTargetCheck, read before the forward returns
+    # Check the targets against [0, num_classes) on the device (fused_lce/faults.py).
+    check_targets: bool = False
     caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
     # Whether autograd records the call, read before apply: inside forward grad mode is off,
     # and needs_input_grad does not see torch.no_grad().
@@ -317,6 +318,7 @@ class LCEFunction(torch.autograd.Function):
         strategy = call.strategy if call.local_classes > 0 else EmptyShard
         valid = flat_target != opts.ignore_index
         n_valid = valid.sum()
+        fault = _check_targets(flat_target, call) if call.check_targets else None
         needs = tuple(call.grad_enabled and need for need in ctx.needs_input_grad[:3])
         plan = _token_walk_plan(call, hidden, weight, needs)
         ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
@@ -345,10 +347,11 @@ class LCEFunction(torch.autograd.Function):
         lse = torch.where(valid, lse, zero)
         nll = torch.where(valid, nll, zero)
         loss = reduce_tokens(loss, n_valid, opts.reduction)
-        # Read with the whole forward queued, so that the GPU runs it while the host waits for
-        # the check (queued first). Read after the first chunk's GEMM, the GPU idled once that
-        # GEMM was done until the host had queued the chunk's next kernels.
-        _read_target_check(call)
+        if fault is not None:
+            loss = torch.where(fault.reshape(()), torch.nan, loss)
+            # Reads only the register's host copy: on the CPU this call's own verdict.
+            faults.raise_found(loss.device)
+        ctx.fault = fault
 
         ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
         ctx.strategy, ctx.call = strategy, call
@@ -373,15 +376,18 @@ class LCEFunction(torch.autograd.Function):
                                              opts.reduction)
             if mismatch is not None:
                 # Every rank must take the same path (the two differ in their collectives): the
-                # ranks' verdicts are combined on the device, then read once (one host sync) or,
-                # with "nan", left to the device.
+                # ranks' verdicts are combined on the device, then read once (one host sync,
+                # "recompute") or left to the device.
                 if call.reducer.world_size > 1:
                     mismatch = call.reducer.all_reduce_max_(mismatch)
-                if opts.upstream_mismatch == "nan":
+                if opts.upstream_mismatch == "recompute":
+                    if mismatch_found(mismatch):
+                        scale = None
+                else:
                     scale = poisoned_scale(scale, mismatch)
-                    note_unread_mismatch(mismatch)
-                elif mismatch_found(mismatch):
-                    scale = None
+                    faults.record_mismatch(mismatch)
+            if scale is not None and ctx.fault is not None:
+                scale = poisoned_scale(scale, ctx.fault)
             if scale is not None:
                 return (*_scaled_gradients(ctx, grads, scale, input, weight, bias, needs),
                         None, None)
@@ -394,6 +400,8 @@ class LCEFunction(torch.autograd.Function):
         if grad_loss is not None:
             g = loss_gradient_per_token(grad_loss, n_rows, n_valid, opts.reduction, lse.dtype)
         g = torch.where(valid, g, zero)
+        if ctx.fault is not None:
+            g = torch.where(ctx.fault.reshape(()), torch.nan, g)
         if grad_lse is not None:
             grad_lse = torch.where(valid, grad_lse.reshape(n_rows).to(lse.dtype), zero)
         coefs = grad_coefficients(g, lse, nll, grad_lse, call.num_classes, opts)
@@ -430,11 +438,11 @@ def single_device_loss(
     *,
     caller: str,
     loss_mask: torch.Tensor | None = None,
-    target_check: Any = None,
+    check_targets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device, validated
-    targets (N,) included. ``target_check``: a checks.PendingTargetCheck read once the forward is
-    queued; ``caller``: what the errors name."""
+    """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device.
+    ``check_targets``: check them on the device (fused_lce/faults.py); ``caller``: what the
+    errors name."""
     if opts.num_classes is not None:
         # Autograd of the slice gives the padding rows their zero gradient.
         weight = weight[: opts.num_classes]
@@ -443,7 +451,7 @@ def single_device_loss(
     call = ShardCall(opts, strategy, vocab_start=0, local_classes=n_classes,
                      num_classes=n_classes,
                      loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
-                     target_check=target_check, caller=caller,
+                     check_targets=check_targets, caller=caller,
                      grad_enabled=torch.is_grad_enabled())
     return LCEFunction.apply(hidden, weight, bias, target, call)
 
@@ -459,6 +467,9 @@ def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan 
     gradients, evaluation (no gradient wanted) computing only the statistics. Decided by the
     group's strategy from what every rank shares (the padded shard's rows), so every rank walks
     the same chunks, a rank of vocabulary padding too."""
+    opts = call.opts
+    if opts.reduction == "none" and call.loss_mask is None and opts.upstream_mismatch == "auto":
+        return None  # no mask to assume: the recomputing backward is exact for any upstream
     # Evaluation plans as training with every gradient wanted, so it walks the same chunks.
     wants_weight_grad = needs[1] or not any(needs)
     return call.strategy.plan_forward_gradients(
@@ -505,9 +516,14 @@ def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, nee
     return kept, chunks.finish()
 
 
-def _read_target_check(call: ShardCall) -> None:
-    if call.target_check is not None:
-        call.target_check.wait()
+def _check_targets(target: torch.Tensor, call: ShardCall) -> torch.Tensor:
+    """The call's verdict on its targets, combined across ranks, counted in the device's fault
+    register: a (1,) bool tensor, true where a target lies outside [0, num_classes)."""
+    extremes = faults.target_extremes(target, call.opts.ignore_index)
+    if call.reducer.world_size > 1:
+        extremes = call.reducer.all_reduce_max_(extremes)
+    return faults.record_bad_targets(extremes, call.num_classes, call.opts.ignore_index,
+                                     call.caller)
 
 
 def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):

@@ -16,10 +16,11 @@ scalar? For "mean" and "sum" the upstream gradient of a scalar loss is one numbe
 the op assumes the per-token gradient is ``c * mask`` (``loss_mask``, default: every non-ignored
 token), which is what Megatron's ``sum(losses * loss_mask)`` gives; the backward checks that
 assumption and, where it fails or the returned lse carries a gradient, recomputes the exact
-gradients the four-GEMM way. Reading that verdict is one host sync a backward; with
-``upstream_mismatch="nan"`` (the Megatron adapter's choice) the backward instead returns NaN
-gradients where it fails, and the op's second call after it raises (VERDICT_LAG_CALLS):
-never a silently wrong result.
+gradients the four-GEMM way. Reading that verdict is one host sync a backward
+(``upstream_mismatch="recompute"``); by default (with a ``loss_mask``, the Megatron adapter's
+case) the backward instead returns NaN gradients where it fails, and a later call raises
+(fused_lce/faults.py): no host sync, never a silently wrong result. Without a ``loss_mask`` a
+"none" loss takes the recomputing backward, exact for any upstream gradient.
 
 For bf16 inputs the chunk walk stores exponentials instead (kernels/exp_logits.py): the GEMM's
 epilogue writes exp(z - z_y) and the row statistics, so the two passes go, and the gradient GEMMs
@@ -34,7 +35,6 @@ so that it is rounded once rather than once per chunk. ``plan_forward_gradients`
 from __future__ import annotations
 
 import warnings
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -185,73 +185,10 @@ def mismatch_found(mismatch: torch.Tensor) -> bool:
     return bool(mismatch.item())
 
 
-def poisoned_scale(scale: torch.Tensor, mismatch: torch.Tensor) -> torch.Tensor:
-    """``scale``, or NaN where the (combined) verdict says the stored gradients do not apply:
-    ``upstream_mismatch="nan"`` decides on the device, and ``note_unread_mismatch`` keeps the
-    verdict for the host to read ``VERDICT_LAG_CALLS`` calls later."""
-    return torch.where(mismatch.reshape(()) > 0, torch.full_like(scale, torch.nan), scale)
-
-
-@dataclass
-class _PendingVerdict:
-    """One ``upstream_mismatch="nan"`` backward's (combined) verdict on its way to the host: a
-    pinned copy queued behind an event on CUDA (on the CPU the tensor itself), read at op call
-    number ``due``."""
-
-    host: torch.Tensor
-    copied: torch.cuda.Event | None
-    due: int
-
-
-# A backward's verdict is read by the op call this many calls after it, not by the next one. The
-# next call would wait for that backward's kernels: the host could never queue more than a step
-# ahead of the GPU. Counted in calls, not found by polling the event, so that the ranks of a
-# group, which make the same calls, all raise at the same one.
-VERDICT_LAG_CALLS = 2
-
-_PENDING: deque[_PendingVerdict] = deque()
-_CALLS = 0  # op calls so far (every one asks unread_mismatch_error first)
-
-UPSTREAM_MISMATCH_MESSAGE = (
-    "an earlier backward of this op received per-token loss gradients that are not c * "
-    "loss_mask (the mask the forward computed the gradients for), and with "
-    "upstream_mismatch='nan' it returned NaN gradients rather than recomputing them: pass the "
-    "mask your loss multiplies the losses by as loss_mask, or upstream_mismatch='recompute' "
-    "(exact for any upstream gradient, at one host sync a backward; Megatron adapter: "
-    "--cce-upstream-mismatch recompute)"
-)
-
-
-def note_unread_mismatch(mismatch: torch.Tensor) -> None:
-    """Keep a (combined) verdict of a backward that took ``poisoned_scale``, with no host read:
-    the op call ``VERDICT_LAG_CALLS`` calls later reads it."""
-    verdict = mismatch.reshape(1).float()
-    copied = None
-    if verdict.device.type == "cuda":
-        host = torch.empty(1, dtype=torch.float32, pin_memory=True)
-        host.copy_(verdict, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(verdict.device))
-    else:
-        host = verdict.clone()
-    _PENDING.append(_PendingVerdict(host, copied, _CALLS + VERDICT_LAG_CALLS))
-
-
-def unread_mismatch_error() -> RuntimeError | None:
-    """Count this op call, and return the error for a mismatch an earlier
-    ``upstream_mismatch="nan"`` backward found, if its verdict is due (then forgotten). Each op
-    call asks before its kernels. A due verdict's copy was queued ``VERDICT_LAG_CALLS`` calls
-    ago: the read waits only where the host runs further ahead of the GPU than that, and then
-    for that copy, never for the queue to drain."""
-    global _CALLS
-    _CALLS += 1
-    found = False
-    while _PENDING and _PENDING[0].due <= _CALLS:
-        verdict = _PENDING.popleft()
-        if verdict.copied is not None:
-            verdict.copied.synchronize()
-        found = found or verdict.host.item() > 0
-    return RuntimeError(UPSTREAM_MISMATCH_MESSAGE) if found else None
+def poisoned_scale(scale: torch.Tensor, fault: torch.Tensor) -> torch.Tensor:
+    """``scale``, or NaN where a (combined) verdict says the call's gradients do not hold: the
+    upstream mismatch of ``upstream_mismatch="nan"``, or a bad target (fused_lce/faults.py)."""
+    return torch.where(fault.reshape(()) > 0, torch.full_like(scale, torch.nan), scale)
 
 
 def warn_recompute(where: str) -> None:

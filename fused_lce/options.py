@@ -28,14 +28,14 @@ Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "cce", "chunked", "torch"]
 ChunkBy = Literal["vocab", "tokens"]
 Backward = Literal["auto", "in_forward", "gemm", "tiles"]
-UpstreamMismatch = Literal["recompute", "nan"]
+UpstreamMismatch = Literal["auto", "recompute", "nan"]
 FilterSpec = float | Literal["safe", "paper"] | None
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "in_forward", "gemm", "tiles")
-UPSTREAM_MISMATCHES = ("recompute", "nan")
+UPSTREAM_MISMATCHES = ("auto", "recompute", "nan")
 LEGACY_BACKWARDS = {"forward": "in_forward"}  # the name before 2026-11; accepted with a warning
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
@@ -155,15 +155,17 @@ class LCEOptions:
     the weight's dtype after each chunk (as Liger's fused loss does, and a bf16 gradient summed
     over micro-batches): no accumulator, so a tight ``scratch_mb`` keeps the three-GEMM backward
     with chunks of at least 1024 tokens, where the accumulator would not fit."""
-    upstream_mismatch: UpstreamMismatch = "recompute"
-    """Gradient-in-forward backward, reduction "none": what the backward does where the
-    per-token upstream gradient is not ``c * loss_mask`` (what the forward built the gradients
-    for). "recompute" reads the ranks' verdict on the host (one device sync a backward) and
-    recomputes those gradients exactly. "nan" never reads it: such a backward returns NaN
-    gradients, and the op's second call after it (on every rank) raises an error saying why:
-    a call later than the next, so that reading the verdict waits for no kernel. Megatron's
-    ``sum(losses * loss_mask)`` meets the assumption, so the Megatron adapter takes "nan" for
-    the main loss when the forward received the loss mask, unless told otherwise."""
+    upstream_mismatch: UpstreamMismatch = "auto"
+    """Reduction "none": how the backward meets a per-token upstream gradient that is not the
+    one the forward assumed. "auto" (default): with ``loss_mask`` the gradients are computed in
+    the forward for ``c * loss_mask`` and checked as with "nan"; without it the op cannot know
+    the weights, so it takes the recomputing backward, exact for any upstream gradient. "nan"
+    checks on the device: where the upstream gradient is not ``c * loss_mask`` the backward
+    returns NaN gradients and a later call raises (fused_lce/faults.py), with no host sync.
+    "recompute" reads the ranks' verdict on the host (one device sync a backward) and then
+    recomputes those gradients exactly: the checked mode, which a CUDA graph cannot capture.
+    Megatron's ``sum(losses * loss_mask)`` meets the assumption; the Megatron adapter passes
+    the forward's loss mask."""
     deterministic: bool = False
     """Bitwise repeatable results: no order-dependent atomics (the gemm backward is; the tiles
     backward then recomputes logits twice, once for each gradient)."""

@@ -8,8 +8,8 @@ arguments and raises leaves the others waiting in the first collective. So each 
 one collective of a FIXED size that every rank enters before it can raise, and every rank reads
 the same gathered table and takes the same decision:
 
-    one all-gather of 7 int64 per rank: [validation failed, signature hash, shard rows,
-    vocab_start_index given, vocab_start_index, smallest target, largest target]
+    one all-gather of 5 int64 per rank: [validation failed, signature hash, shard rows,
+    vocab_start_index given, vocab_start_index]
 
 - a rank whose arguments failed the local checks (options, dtypes, shapes, devices) sets its
   flag: it raises its own error and every other rank raises "rank r rejected its arguments: ...";
@@ -19,8 +19,9 @@ the same gathered table and takes the same decision:
 - the shard layout (rows and given starts) must tile [0, total rows) without gap or overlap, and
   ``vocab_size`` must not exceed the total: with the starts given explicitly this is the only
   check they get;
-- the targets' range (with ``check_targets``) is checked against the agreed number of classes:
-  a target out of range on one rank is an error on every rank, naming the ranks.
+
+The targets' range is not part of it: their values live on the device, so the op checks them
+there (fused_lce/faults.py), combining the ranks' verdicts in a collective of its own.
 
 Only when something is wrong does a second, slower exchange follow (``all_gather_object`` of the
 messages or of the readable call descriptions) to build the message; the ranks enter it together
@@ -37,11 +38,8 @@ a gloo group of the same ranks formed by the members at their first call on them
 its module docstring says why it is not made with ``new_group``). Every wait of the exchange is
 bounded by the group's own timeout: a member that does not come makes the others raise
 comm.HostGroupError naming the group, instead of waiting for torch's 30-minute gloo default.
-Per call this is one host-to-host all-gather of TP x 7 int64 and ~25 us of Python to describe
-the call; the GPU queue is not touched. The target range check (``check_targets=True``, the
-default) does read the GPU: the smallest and largest target are copied to the host, the one
-device synchronisation the layer had before; with ``check_targets=False`` (the megatron
-adapter) there is none.
+Per call this is one host-to-host all-gather of TP x 5 int64 and ~25 us of Python to describe
+the call; the GPU queue is not touched.
 
 A caller whose ranks make the same call by construction can ask for less (``every_call=False``,
 the Megatron adapter's choice: every tensor-parallel rank runs the same model on the same batch,
@@ -85,11 +83,7 @@ import torch
 
 from . import comm
 
-# Targets of a rank that has none to check: no class is outside any range.
-_NO_TARGET_MIN = 2**62
-_NO_TARGET_MAX = -(2**62)
-
-_WORDS = ("failed", "signature", "rows", "start_given", "start", "target_min", "target_max")
+_WORDS = ("failed", "signature", "rows", "start_given", "start")
 
 
 @dataclass(frozen=True)
@@ -116,18 +110,6 @@ def signature_hash(facts: dict[str, str]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def target_range(target: torch.Tensor, ignore_index: int) -> tuple[int, int]:
-    """(smallest, largest) target other than ``ignore_index``: one device-to-host copy."""
-    flat = target.reshape(-1).long()
-    if flat.numel() == 0:
-        return _NO_TARGET_MIN, _NO_TARGET_MAX
-    ignored = flat == ignore_index
-    lo = flat.masked_fill(ignored, _NO_TARGET_MIN).min()
-    hi = flat.masked_fill(ignored, _NO_TARGET_MAX).max()
-    lo, hi = torch.stack([lo, hi]).tolist()
-    return int(lo), int(hi)
-
-
 def agree_on_call(
     group,
     *,
@@ -135,8 +117,6 @@ def agree_on_call(
     shard_rows: int,
     vocab_start_index: int | None,
     vocab_size: int | None,
-    targets: tuple[int, int] | None,
-    ignore_index: int,
     error: Exception | None,
     every_call: bool = True,
 ) -> AgreedLayout:
@@ -148,8 +128,6 @@ def agree_on_call(
         shard_rows: the rows of this rank's weight shard.
         vocab_start_index: this shard's first global row, if the caller gave it.
         vocab_size: the number of classes, if given (else the rows of all shards).
-        targets: (smallest, largest) non-ignored target, or None when not checked.
-        ignore_index: for the target error's message.
         error: this rank's own validation failure, if any; it is raised after the exchange.
         every_call: False skips the exchange where this rank's call is the last agreed one
             (the module docstring says what that gives up).
@@ -158,7 +136,6 @@ def agree_on_call(
         The agreed layout; on every rank the same except ``start``.
     """
     failed = error is not None
-    lo, hi = targets if targets is not None and not failed else (_NO_TARGET_MIN, _NO_TARGET_MAX)
     given = vocab_start_index is not None
     words = [
         int(failed),
@@ -166,15 +143,13 @@ def agree_on_call(
         _int_or(shard_rows, 0),
         int(given),
         _int_or(vocab_start_index, 0) if given else 0,
-        lo,
-        hi,
     ]
     key = (comm.group_members(group), id(group))
     last = _LAST_AGREED.get(key)
     if not every_call and error is None and last is not None and last[0] == words:
         return last[1]
     table = comm.all_gather_host_ints(words, group)
-    layout = _layout_from_table(table, group, facts, vocab_size, ignore_index, error)
+    layout = _layout_from_table(table, group, facts, vocab_size, error)
     _LAST_AGREED[key] = (words, layout)
     return layout
 
@@ -185,8 +160,7 @@ _LAST_AGREED: dict[tuple, tuple[list[int], AgreedLayout]] = {}
 
 
 def _layout_from_table(table: list[list[int]], group, facts: dict[str, str],
-                       vocab_size: int | None, ignore_index: int,
-                       error: Exception | None) -> AgreedLayout:
+                       vocab_size: int | None, error: Exception | None) -> AgreedLayout:
     """The same decision on every rank from the gathered table: raise, or the agreed layout."""
     failed = error is not None
     columns = {name: [row[i] for row in table] for i, name in enumerate(_WORDS)}
@@ -227,7 +201,6 @@ def _layout_from_table(table: list[list[int]], group, facts: dict[str, str],
         raise ValueError(
             f"vocab_size ({num_classes}) exceeds the rows of all shards together ({total})"
         )
-    _check_targets(columns["target_min"], columns["target_max"], num_classes, ignore_index)
     return AgreedLayout(start=starts[me], num_classes=num_classes, total_rows=total)
 
 
@@ -257,23 +230,6 @@ def _check_tiling(rows: list[int], starts: list[int]) -> int:
             )
         expected += rows[r]
     return expected
-
-
-def _check_targets(lows: list[int], highs: list[int], num_classes: int,
-                   ignore_index: int) -> None:
-    bad = {}
-    for r, (lo, hi) in enumerate(zip(lows, highs)):
-        if lo < 0:
-            bad[r] = lo
-        elif hi >= num_classes and hi != _NO_TARGET_MAX:
-            bad[r] = hi
-    if bad:
-        first = next(iter(bad.values()))
-        raise ValueError(
-            f"target holds class {first}, outside [0, {num_classes}) and not ignore_index "
-            f"({ignore_index}), on rank(s) {sorted(bad)}: "
-            + ", ".join(f"rank {r}: {v}" for r, v in bad.items())
-        )
 
 
 def _int_or(value, default: int) -> int:

@@ -31,6 +31,11 @@ Nothing else in Megatron-LM checks the value: ``cross_entropy_fusion_impl`` is a
 same; ``load_args_from_checkpoint`` copies named fields, not this one, and parses nothing.
 A ``--yaml-cfg`` run replaces the parsed namespace by the YAML file's and is not covered.
 
+Each training step also starts by raising any fault the op found on the device in an earlier
+step (fused_lce/faults.py; a host-memory read, no sync). Under ``--cuda-graph-impl
+full_iteration`` the op's own Python runs only until the capture, so this is where a bad
+target or an unexpected upstream gradient of a replayed step is raised.
+
 Importing this module imports neither megatron nor Megatron-LM; :func:`install` does.
 """
 
@@ -60,6 +65,11 @@ def install() -> None:
     megatron_patch.install(options_from=options_from_megatron_lm)
     _wrap_module_function(arguments, "add_megatron_arguments", _with_cce_arguments)
     _wrap_module_function(arguments, "parse_args", _checking_cce_options)
+    try:
+        from megatron.training import training
+    except ImportError:
+        return  # a megatron.training without its loop (the tests' stand-in): no step to wrap
+    _wrap_module_function(training, "train_step", _raising_found_faults)
 
 
 def _why_megatron_training_failed(exc: ImportError) -> str:
@@ -98,6 +108,16 @@ def _with_cce_arguments(add_megatron_arguments):
         return megatron_flags.extra_args_provider(parser)
 
     return add_megatron_and_cce_arguments
+
+
+def _raising_found_faults(train_step):
+    def train_step_after_the_faults_found(*args, **kwargs):
+        from fused_lce import faults
+
+        faults.raise_found()
+        return train_step(*args, **kwargs)
+
+    return train_step_after_the_faults_found
 
 
 def _checking_cce_options(parse_args):

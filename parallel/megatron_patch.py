@@ -70,8 +70,8 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
         options: passed to the op, each an ``LCEOptions`` field of the same name: ``softcap``,
             ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
             ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``,
-            ``fp32_weight_grad``, ``upstream_mismatch`` (default "nan" here: Megatron's loss
-            meets the op's assumption, and no backward then syncs); and
+            ``fp32_weight_grad``, ``upstream_mismatch`` (default "auto": with the forward's
+            loss mask, which Megatron's loss meets, checked on the device, no sync); and
             ``vocab_size`` (the true vocabulary size when Megatron pads it; default: every row of
             the output weight is a class, as in Megatron's own loss).
         options_from: instead of ``options``, a function returning them, called at the first
@@ -164,9 +164,9 @@ def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None,
     """For one call: the output layer defers its matmul and the loss consumes the deferral.
     ``loss_mask`` (the forward's, [b, s]) tells the op what the loss function will weigh each
     token's loss by, so it can compute the gradients in its forward (fused_lce.forward_grad).
-    It is vouched for (``upstream_mismatch="nan"``: no host read of the backward's verdict)
-    only for the loss of the forward's own ``labels``: multi-token prediction's losses, of
-    rolled labels, weigh tokens by a rolled mask, and their backwards recompute."""
+    It is passed only for the loss of the forward's own ``labels``: multi-token prediction's
+    losses, of rolled labels, weigh tokens by a rolled mask, so they go without one and take the
+    recomputing backward (exact for any weights, no host sync)."""
     layer = gpt.output_layer
     had_forward = "forward" in layer.__dict__
     saved_forward = layer.__dict__.get("forward")
@@ -226,13 +226,11 @@ def _per_token_loss(gpt, labels: torch.Tensor, deferred: DeferredLogits, options
             f"{padded}, but the model's vocabulary is {expected}; cce needs Megatron's even "
             "vocabulary split"
         )
-    if loss_mask is not None and tuple(loss_mask.shape) != tuple(labels.shape):
-        # Not the per-token mask of these labels: the op then assumes all ones, and checks.
-        loss_mask, vouched = None, False
-    # Megatron's sum(losses * loss_mask) meets the op's assumption, so no backward need read its
-    # verdict on the host: a sync a micro-batch. A flag given (options) overrides this.
-    vouch = {"upstream_mismatch": "nan"} if vouched else {}
-    options = {"vocab_size": padded, **vouch, **options}
+    if not vouched or loss_mask is None or tuple(loss_mask.shape) != tuple(labels.shape):
+        # Not the per-token mask these losses will be weighed by: without one the op takes the
+        # recomputing backward, exact whatever the weights.
+        loss_mask = None
+    options = {"vocab_size": padded, **options}
     accumulator = None
     if getattr(gpt.config, "gradient_accumulation_fusion", False):
         accumulator = getattr(weight, "main_grad", None)

@@ -23,27 +23,30 @@ evaluation call walks the chunks training walks, statistics only.
 Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows a chunk):
 
     forward   SP only: all-gather hidden   [N/TP x D -> N x D], input dtype
+              check_targets only: all-reduce MAX [2] int64, the targets' extremes (the device's
+                                            verdict, read by the host only once it is there:
+                                            fused_lce/faults.py)
               bf16 walk only: all-reduce SUM [N] fp32, every row's target logit, once before
                                             the first chunk (the exponentials' offsets;
                                             kernels/exp_logits.py)
               per chunk (default; one chunk of N rows for the recomputing backwards):
               all-reduce MAX               [R] fp32
               all-reduce SUM               [2R] fp32, [3R] with label smoothing
-    backward  reduction "none" (default mode): all-reduce MAX [1] fp32, the ranks' verdicts on
-                                            the assumed upstream gradient, read once (with
-                                            upstream_mismatch="nan", never: a later call does)
+    backward  reduction "none" with loss_mask: all-reduce MAX [1] fp32, the ranks' verdicts on
+                                            the assumed upstream gradient, left on the device
+                                            (read on the host, one sync, only with
+                                            upstream_mismatch="recompute")
               recompute only, SP only: all-gather hidden [N/TP x D -> N x D], input dtype
                                             (re-gathered rather than saved: saves (TP-1)/TP of
                                             N x D per layer)
               all-reduce SUM d_hidden       [N x D] fp32, or with SP
               reduce-scatter d_hidden       [N x D -> N/TP x D] fp32, in place on NCCL
-    per call  agreement all-gather          [TP x 7] int64 on the host (gloo; no device sync),
+    per call  agreement all-gather          [TP x 5] int64 on the host (gloo; no device sync),
                                             before any other collective: shapes, options and
                                             layout agree, the verdicts of every rank's checks
-                                            (parallel/agreement.py); with ``check_targets`` the
-                                            targets' min and max are read from the device first;
-                                            with ``agree_every_call=False`` only where this
-                                            rank's call changed
+                                            (parallel/agreement.py); with
+                                            ``agree_every_call=False`` only where this rank's
+                                            call changed
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fused_lce import faults
 from fused_lce.checks import check_flag, check_loss_mask, class_ids, resolve_impl, validate
 from fused_lce.engine import LCEFunction, ShardCall
-from fused_lce.forward_grad import unread_mismatch_error
 from fused_lce.options import LCEOptions, without_backward_options
 
 from . import agreement, comm
@@ -83,7 +86,7 @@ def vocab_parallel_linear_cross_entropy(
     round_logits: bool = False,
     recompute_logits: bool = True,
     fp32_weight_grad: bool = True,
-    upstream_mismatch: str = "recompute",
+    upstream_mismatch: str = "auto",
     vocab_chunk_size: int | None = None,
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
@@ -150,19 +153,18 @@ def vocab_parallel_linear_cross_entropy(
     # Every check that could fail on one rank only runs before the ranks' one agreement
     # collective, which carries its verdict: a rank that raised alone would leave its peers
     # waiting in the forward's first collective.
-    error, opts, targets = None, None, None
+    error, opts = None, None
     try:
-        unread = unread_mismatch_error()  # an earlier backward's: every rank raises it together
-        if unread is not None:
-            raise unread
+        # An earlier call's fault, once its verdict reached this rank's host: carried to every
+        # rank by the exchange below.
+        if isinstance(input, torch.Tensor):
+            faults.raise_found(input.device)
         for name, flag in (("return_lse", return_lse), ("check_targets", check_targets),
                            ("debug", debug), ("agree_every_call", agree_every_call)):
             check_flag(name, flag)
         opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
                            vocab_start_index, vocab_size, weight_grad_accumulator)
         check_loss_mask(loss_mask, target, opts.reduction)
-        if check_targets:
-            targets = agreement.target_range(target, ignore_index)
     except Exception as exc:  # raised after the exchange, on every rank
         error = exc
     facts = _call_facts(input, weight, target, bias, weight_grad_accumulator, options,
@@ -170,8 +172,8 @@ def vocab_parallel_linear_cross_entropy(
                         return_lse=return_lse, check_targets=check_targets)
     agreed = agreement.agree_on_call(
         group, facts=facts, shard_rows=weight.shape[0] if error is None else 0,
-        vocab_start_index=vocab_start_index, vocab_size=vocab_size, targets=targets,
-        ignore_index=ignore_index, error=error, every_call=agree_every_call,
+        vocab_start_index=vocab_start_index, vocab_size=vocab_size, error=error,
+        every_call=agree_every_call,
     )
     start, num_classes = agreed.start, agreed.num_classes
 
@@ -184,7 +186,8 @@ def vocab_parallel_linear_cross_entropy(
         reducer=comm.GroupReducer(group, sequence_parallel),
         weight_grad_accumulator=weight_grad_accumulator,
         loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
-        caller="vocab_parallel_linear_cross_entropy", grad_enabled=torch.is_grad_enabled(),
+        check_targets=check_targets, caller="vocab_parallel_linear_cross_entropy",
+        grad_enabled=torch.is_grad_enabled(),
     )
     loss, lse = LCEFunction.apply(input, weight, bias, target, call)
     if opts.reduction == "none":

@@ -161,14 +161,13 @@ def main(argv=None) -> None:
                          scratch_mb=None)
 
     def agree(check_targets: bool):
-        """The layer's entry minus its local checks: describe, (read targets), agree."""
-        targets = agreement.target_range(target, -100) if check_targets else None
+        """The layer's entry minus its local checks: describe, agree (the targets are checked
+        on the device, in the forward, not here)."""
         facts = vocab_parallel._call_facts(
             hidden, weight, target, None, None, layer_options, sequence_parallel=False,
             vocab_size=rows, return_lse=False, check_targets=check_targets)
         agreement.agree_on_call(group, facts=facts, shard_rows=weight.shape[0],
-                                vocab_start_index=start, vocab_size=rows, targets=targets,
-                                ignore_index=-100, error=None)
+                                vocab_start_index=start, vocab_size=rows, error=None)
 
     results = {}
     for check in (False, True):

@@ -72,7 +72,7 @@ def disagreement_cases(rank: int, device: str, impl: str) -> list[tuple[str, lis
          [call(vocab_start_index=start + other, vocab_size=V)],
          r"do not tile the vocabulary \(gap\): rank 1 starts at 20, expected 19"),
         ("target out of range on rank 1 only", [call(target=bad_target if other else target)],
-         rf"target holds class {V}, outside \[0, {V}\) .*on rank\(s\) \[1\]"),
+         rf"target holds class {V}, outside \[0, {V}\)"),
         ("an option only rank 1 rejects", [call(label_smoothing=1.5 if other else 0.0)],
          r"label_smoothing must be in \[0, 1\]"),
         ("arguments only rank 1 rejects (dtype)",

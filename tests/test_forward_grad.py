@@ -14,11 +14,11 @@ import pytest
 import torch
 from helpers_lce import SCALAR_UPSTREAM, compare_to_reference, make_problem, run_reference_fp64
 
-from fused_lce import engine, forward_grad, linear_cross_entropy
+import fused_lce
+from fused_lce import engine, faults, forward_grad, linear_cross_entropy
 from fused_lce.forward_grad import (
     DEFAULT_CHUNK_BYTES,
     MIN_CHUNK_ROWS,
-    VERDICT_LAG_CALLS,
     ForwardGradPlan,
     plan_forward_gradients,
 )
@@ -108,13 +108,26 @@ def test_none_with_its_loss_mask_keeps_the_forward_gradients(dtype, weights, wal
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("how", ["none-random-upstream", "lse-in-objective"])
 def test_unexpected_upstream_gradients_are_recomputed_exactly(dtype, how, walks, recomputes):
-    """A "none" loss weighted at random per token, or a gradient through the lse: the stored
-    gradients do not apply, and the exact recompute runs instead (never a wrong result)."""
+    """A "none" loss weighted at random per token (the checked mode, "recompute"), or a
+    gradient through the lse: the stored gradients do not apply, and the exact recompute runs
+    instead (never a wrong result)."""
     hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", ignore_frac=0.2,
                                                 seed=11, bias=True)
-    kw = {"reduction": "none"} if how == "none-random-upstream" else {"return_lse": True}
+    kw = ({"reduction": "none", "upstream_mismatch": "recompute"}
+          if how == "none-random-upstream" else {"return_lse": True})
     compare_to_reference(hidden, weight, target, bias, impl="cce", token_chunk_size=16, **kw)
     assert len(walks) == 1 and len(recomputes) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_none_without_a_loss_mask_takes_the_recomputing_backward(dtype, walks, recomputes):
+    """By default a "none" loss with no ``loss_mask`` cannot know the per-token weights its
+    caller applies, so it computes no gradient in the forward: the recomputing backward is
+    exact for any upstream gradient, with no verdict to read."""
+    hidden, weight, target, bias = make_problem(N, V, D, dtype, "near-uniform", ignore_frac=0.2,
+                                                seed=14, bias=True)
+    compare_to_reference(hidden, weight, target, bias, impl="cce", reduction="none")
+    assert walks == [] and recomputes == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -138,22 +151,22 @@ def test_upstream_mismatch_nan_keeps_the_forward_gradients_where_the_mask_holds(
 
 
 @pytest.mark.parametrize("impl", ["cce", "chunked"])
+@pytest.mark.parametrize("mode", ["nan", "auto-with-mask"])
 def test_upstream_mismatch_nan_poisons_the_gradients_and_a_later_call_raises(
-        impl, walks, recomputes):
-    """Per-token weights that are not the mask: no recompute, every gradient NaN, and the op's
-    second call after that backward raises the error naming the fix, once (the calls before
-    and after it run): the verdict is read ``VERDICT_LAG_CALLS`` calls later."""
+        impl, mode, walks, recomputes):
+    """Per-token weights that are not the mask: no recompute, every gradient NaN, and the next
+    call, which finds the verdict on the host (on the CPU at once), raises the error naming the
+    fix, once; the calls after it run."""
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", seed=13,
                                                 bias=True)
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
     extra = {"chunk_by": "tokens"} if impl == "chunked" else {}
+    extra.update({"upstream_mismatch": "nan"} if mode == "nan" else {"loss_mask": torch.ones(N)})
     loss = linear_cross_entropy(h, w, target, b, impl=impl, reduction="none",
-                                token_chunk_size=16, upstream_mismatch="nan", **extra)
+                                token_chunk_size=16, **extra)
     (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
     assert not recomputes
     assert all(g.isnan().all() for g in (h.grad, w.grad, b.grad))
-    assert VERDICT_LAG_CALLS == 2
-    assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()
     with pytest.raises(RuntimeError, match="upstream_mismatch='recompute'"):
         linear_cross_entropy(hidden, weight, target, impl=impl)
     assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()
@@ -225,7 +238,8 @@ def test_non_finite_input_gives_nan_as_torch_does(walks):
 def test_the_recompute_warns_once_per_backward():
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=2)
     h = hidden.clone().requires_grad_()
-    loss = linear_cross_entropy(h, weight, target, impl="cce", reduction="none")
+    loss = linear_cross_entropy(h, weight, target, impl="cce", reduction="none",
+                                upstream_mismatch="recompute")
     with pytest.warns(UserWarning, match="loss_mask"):
         (loss * torch.linspace(0.5, 1.5, N)).sum().backward()
 
@@ -306,55 +320,63 @@ def test_loss_mask_is_checked_before_any_kernel():
                              loss_mask=torch.ones(N, dtype=torch.int64))
 
 
-class _RecordedCheck:
-    """A stand-in for checks.PendingTargetCheck that notes when the op reads it, and may fail."""
+class _GPULikeRegister(faults.DeviceFaults):
+    """The CPU's fault register with a host copy of its own that only ``land`` updates: a GPU
+    whose copies have not reached the host yet."""
 
-    def __init__(self, events: list[str], error: Exception | None):
-        self.events, self.error = events, error
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.host = torch.zeros_like(self.register)
 
-    def wait(self) -> None:
-        self.events.append("target check read")
-        if self.error is not None:
-            raise self.error
+    def publish(self) -> None:
+        pass
+
+    def land(self) -> None:
+        self.host.copy_(self.register)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("options", [{}, {"token_chunk_size": 16}, {"scratch_mb": 0.01}],
-                         ids=["default", "chunks", "lean"])
-@pytest.mark.parametrize("fails", [False, True], ids=["passes", "fails"])
-def test_target_check_is_read_once_the_forward_is_queued(monkeypatch, dtype, options, fails):
-    """The deferred target check (CUDA only, so faked here) is read once, after the last chunk's
-    gradients (or the lean mode's statistics) are queued, so the GPU has the call's work while
-    the host waits; its error still ends the call."""
-    from fused_lce import api, triton_shard
+@pytest.fixture
+def gpu_like_register(monkeypatch):
+    register = _GPULikeRegister()
+    monkeypatch.setitem(faults._DEVICES, torch.device("cpu"), register)
+    return register
 
-    events: list[str] = []
-    error = ValueError("target holds class 9999") if fails else None
-    monkeypatch.setattr(api, "start_target_check",
-                        lambda *args: _RecordedCheck(events, error))
-    for cls, name in ((triton_shard._ChunkGradients, "finish"),
-                      (triton_shard.ExpGradientChunks, "finish"),
-                      (triton_shard.TritonShard, "statistics")):
-        original = cls.__dict__[name]
-        function = original.__func__ if isinstance(original, staticmethod) else original
 
-        def spy(*args, _function=function, _name=name, **kwargs):
-            events.append(_name)
-            return _function(*args, **kwargs)
+@pytest.mark.parametrize("impl", ["cce", "chunked"])
+@pytest.mark.parametrize("options", [{}, {"token_chunk_size": 16}, {"scratch_mb": 0.01},
+                                     {"reduction": "none", "loss_mask": torch.ones(N)}],
+                         ids=["default", "chunks", "lean", "none-masked"])
+def test_bad_targets_poison_the_call_and_raise_once_the_verdict_arrives(
+        gpu_like_register, impl, options):
+    """A bad target is found on the device: that call's loss and every gradient are NaN, the
+    host is not asked to wait, and the first call after the verdict reached the host raises
+    naming the class; later calls run."""
+    hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", seed=6,
+                                                bias=True)
+    bad = target.clone()
+    bad[N // 2] = V + 4
+    h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+    loss = linear_cross_entropy(h, w, bad, b, impl=impl, **options)
+    assert loss.isnan().all()
+    loss.sum().backward()
+    assert all(g.isnan().all() for g in (h.grad, w.grad, b.grad))
+    assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()  # not arrived
+    gpu_like_register.land()
+    with pytest.raises(ValueError, match=rf"target holds class {V + 4}, outside \[0, {V}\)"):
+        linear_cross_entropy(hidden, weight, target, impl=impl)
+    assert linear_cross_entropy(hidden, weight, target, impl=impl).isfinite()
 
-        monkeypatch.setattr(cls, name, staticmethod(spy) if isinstance(original, staticmethod)
-                            else spy)
-    hidden, weight, target, _ = make_problem(N, V, D, dtype, "peaked", seed=6)
-    call = lambda: linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(),  # noqa: E731
-                                        target, impl="cce", **options)
-    if fails:
-        with pytest.raises(ValueError, match="class 9999"):
-            call()
-    else:
-        call().backward()
-    last_work = "statistics" if options.get("scratch_mb") else "finish"
-    assert events.count("target check read") == 1 and last_work in events
-    assert events[-1] == "target check read"  # after every piece of the forward's work
+
+def test_raise_deferred_errors_reads_what_the_calls_found(gpu_like_register):
+    hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=6)
+    bad = target.clone()
+    bad[3] = -7
+    linear_cross_entropy(hidden, weight, bad, impl="cce")
+    fused_lce.raise_deferred_errors()  # the copy has not landed: nothing to say yet
+    gpu_like_register.land()
+    with pytest.raises(ValueError, match="target holds class -7"):
+        fused_lce.raise_deferred_errors()
+    fused_lce.raise_deferred_errors()  # raised once
 
 
 # --- the planner -------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def _reference(hidden, weight, target, bias, **options):
 
 
 def _objective(loss, lse):
-    weights = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype)
+    weights = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device)
     return (loss * weights).sum() + 0.1 * (lse * weights.flip(0)).sum()
 
 

@@ -1,10 +1,11 @@
-"""A loss_mask edited in place between the forward and the backward (issue 24, item 2).
+"""A loss_mask edited in place between the forward and the backward.
 
 With ``reduction="none"`` and a ``loss_mask``, the cce forward builds the gradients for an
 upstream gradient proportional to the mask, and the backward checks that the real one is. A
 caller that reuses the mask's buffer for the next batch edits it before the backward runs; the
-check must then compare against what the forward assumed (a copy), find the mismatch and
-recompute exactly, never return gradients for a mask that no longer holds.
+check must then compare against what the forward assumed (a copy) and find the mismatch: the
+checked mode (``upstream_mismatch="recompute"``) recomputes exactly, the default returns NaN
+gradients and a later call raises; neither returns gradients for a mask that no longer holds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers_lce import make_problem
 
-from fused_lce import engine, linear_cross_entropy
+from fused_lce import engine, faults, linear_cross_entropy
 from fused_lce.kernels.common import INTERPRET
 
 N, V, D = 45, 203, 23
@@ -29,7 +30,7 @@ def recomputes(monkeypatch) -> list[str]:
     return calls
 
 
-def _masked_call(regime: str, seed: int):
+def _masked_call(regime: str, seed: int, upstream_mismatch: str = "recompute"):
     """(hidden, weight, target on the CPU; h, w leaves, the mask and the per-token loss on
     DEVICE) of a cce call with reduction 'none' and a loss_mask."""
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, regime, seed=seed)
@@ -37,7 +38,7 @@ def _masked_call(regime: str, seed: int):
     h, w = (t.to(DEVICE, copy=True).requires_grad_() for t in (hidden, weight))
     mask = mask.to(DEVICE)
     loss = linear_cross_entropy(h, w, target.to(DEVICE), impl="cce", reduction="none",
-                                loss_mask=mask)
+                                loss_mask=mask, upstream_mismatch=upstream_mismatch)
     return (hidden, weight, target), (h, w), mask, loss
 
 
@@ -66,6 +67,16 @@ def test_loss_with_the_edited_mask_gets_exact_gradients(edit, walks, recomputes)
     assert len(walks) == 1
     assert len(recomputes) == (0 if edit == "unchanged" else 1)
     _assert_fp64_gradients(problem, leaves, mask)
+
+
+def test_by_default_the_edited_mask_gives_nan_and_a_later_error(walks, recomputes):
+    problem, leaves, mask, loss = _masked_call("peaked", seed=7, upstream_mismatch="auto")
+    mask[: N // 2] = 0.0
+    (loss * mask).sum().backward()
+    assert len(walks) == 1 and not recomputes
+    assert all(leaf.grad.isnan().all() for leaf in leaves)
+    with pytest.raises(RuntimeError, match="not c \\* loss_mask"):
+        faults.raise_deferred_errors()
 
 
 @pytest.mark.parametrize("edit", ["zeroed", "shifted"])
