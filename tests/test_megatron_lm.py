@@ -171,3 +171,27 @@ def test_gpu_run_report_reads_megatron_log_lines(tmp_path, capsys):
 def test_gpu_run_script_is_valid_bash():
     script = Path(__file__).parents[1] / "scripts" / "megatron_lm_gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_step_report_reads_rounds_and_compares_graphs_with_eager(tmp_path, capsys):
+    """scripts/megatron_lm_step.sh's table: per-round medians past --skip, the peak of any rank,
+    and a graphed run's largest loss difference from the eager run of its round."""
+    from lce_train import megatron_lm_report as report
+
+    losses = [11.0 - 0.1 * i for i in range(20)]
+    eager = _log(losses, {0: 2646.0}, {i: 900.0 if i <= 10 else 130.0 for i in range(1, 21)})
+    graphs = _log([x + (0.25 if i == 15 else 0.0) for i, x in enumerate(losses)],
+                  {0: 2735.0, 1: 2700.0}, {i: 48.0 for i in range(1, 21)})
+    (tmp_path / "tp4__cce__r1.log").write_text(eager)
+    (tmp_path / "tp4__cce_graphs__r1.log").write_text(graphs)
+    report.main([str(tmp_path), "--step", "--skip", "10"])
+    out = capsys.readouterr().out
+    assert "| native | no result (tp4__native__r*.log)" in out
+    assert "| cce | 130.0 | 130.0 | 130.0-130.0 | 2646 |" in out
+    assert "| cce_graphs | 48.0 | 48.0 | 48.0-48.0 | 2735 |" in out
+    assert out.rstrip().endswith("| 2.50e-01 |")
+
+
+def test_step_script_is_valid_bash():
+    script = Path(__file__).parents[1] / "scripts" / "megatron_lm_step.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -7,6 +7,12 @@ prints one markdown table per layout: the final ``lm loss``, the mean over the l
 iterations, the largest ``max allocated`` any rank reported in its last memory line (with
 ``--log-memory-interval`` equal to the run's length that is the whole run's peak), and the
 median time per iteration after the first 5. Only Megatron-LM's own log lines are used.
+
+With ``--step`` it reads the logs of scripts/megatron_lm_step.sh instead,
+``RESULTS_DIR/<layout>__<loss>[_graphs]__r<round>.log``, and prints per layout each run's median
+ms per iteration over the iterations after ``--skip`` (one figure per round, their median and
+range), the peak ``max allocated`` of any rank, and, for a run under full-iteration CUDA graphs,
+the largest difference of its ``lm loss`` from the same loss's eager run of the same round.
 """
 
 from __future__ import annotations
@@ -78,10 +84,60 @@ def table(layout: str, runs: dict[str, dict | None]) -> str:
     return "\n".join(rows)
 
 
+STEP_RUNS = ("native", "cce", "native_graphs", "cce_graphs")
+
+
+def step_tables(results: Path, skip: int) -> str:
+    """The --step tables: one per layout, a row per run of STEP_RUNS."""
+    logs: dict[str, dict[str, dict[int, dict]]] = {}
+    for log in sorted(results.glob("*__*__r*.log")):
+        layout, run, round_ = log.stem.split("__")
+        logs.setdefault(layout, {}).setdefault(run, {})[int(round_[1:])] = read_log(
+            log.read_text())
+    tables = []
+    for layout, runs in logs.items():
+        rows = [f"### {layout}", "",
+                "| run | ms / iteration, median per round | median | range | peak MiB (any rank) "
+                "| lm loss, last iteration | largest loss difference from eager |",
+                "|---|---|---|---|---|---|---|"]
+        for run in STEP_RUNS:
+            rounds = runs.get(run, {})
+            medians, peaks, finals, drift = [], [], [], []
+            for k, parsed in sorted(rounds.items()):
+                late = [t for step, t in parsed["times"].items() if step > skip]
+                if late:
+                    medians.append(statistics.median(late))
+                peaks += [m for _, m in parsed["peak_mib"].values()]
+                if parsed["losses"]:
+                    finals.append(parsed["losses"][max(parsed["losses"])])
+                eager = runs.get(run.removesuffix("_graphs"), {}).get(k)
+                if run.endswith("_graphs") and eager and parsed["losses"]:
+                    common = set(parsed["losses"]) & set(eager["losses"])
+                    drift += [abs(parsed["losses"][s] - eager["losses"][s]) for s in common]
+            if not medians:
+                rows.append(f"| {run} | no result ({layout}__{run}__r*.log) | | | | | |")
+                continue
+            rows.append(
+                f"| {run} | {', '.join(f'{m:.1f}' for m in medians)} | "
+                f"{statistics.median(medians):.1f} | {min(medians):.1f}-{max(medians):.1f} | "
+                f"{max(peaks, default=float('nan')):.0f} | "
+                f"{', '.join(f'{f:.5f}' for f in finals)} | "
+                f"{f'{max(drift):.2e}' if drift else '-'} |")
+        tables.append("\n".join(rows))
+    return "\n\n".join(tables)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="folder of <layout>_<loss>.log files")
+    parser.add_argument("--step", action="store_true",
+                        help="the logs of scripts/megatron_lm_step.sh")
+    parser.add_argument("--skip", type=int, default=10,
+                        help="--step: iterations left out of the medians (warm-up, capture)")
     args = parser.parse_args(argv)
+    if args.step:
+        print(step_tables(args.results, args.skip) or f"no step logs in {args.results}")
+        return
     layouts: dict[str, dict] = {}
     for log in sorted(args.results.glob("*.log")):
         layout, _, loss = log.stem.rpartition("_")
