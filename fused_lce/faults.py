@@ -70,6 +70,12 @@ def device_faults(device: torch.device) -> DeviceFaults:
         device = torch.device("cuda", torch.cuda.current_device())
     faults = _DEVICES.get(device)
     if faults is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made in a capture, its zeroing would be a node of the graph: every replay would
+            # forget the faults counted before it.
+            raise RuntimeError(
+                f"fused_lce's first call on {device} is inside a CUDA graph capture: make one "
+                "call before capturing (a warm-up step, which also compiles its kernels)")
         faults = _DEVICES[device] = DeviceFaults(device)
     return faults
 
