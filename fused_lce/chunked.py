@@ -42,7 +42,7 @@ from .engine import (
     compute_dtype,
 )
 from .forward_grad import ForwardGradPlan
-from .kernels.products import accumulate_mm, mm_into
+from .kernels.products import accumulate_mm, mm_into, scale_in_fp32_
 from .kernels.softmax_merge import merge_partials, softmax_shift
 from .options import LCEOptions
 from .terms import GradCoefficients
@@ -270,9 +270,7 @@ class ChunkedShard:
         return ForwardGradPlan(chunk_rows=min(opts.token_chunk, n_rows),
                                fp32_weight_accumulator=True)
 
-    @staticmethod
-    def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return tensor.mul_(scale.to(tensor.dtype))
+    scale_ = staticmethod(scale_in_fp32_)
 
     @staticmethod
     def recompute_state(inputs: ShardInputs) -> torch.Tensor:

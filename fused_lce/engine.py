@@ -31,6 +31,7 @@ from .forward_grad import (
     upstream_scale,
     warn_recompute,
 )
+from .kernels.products import scale_in_fp32_
 from .kernels.softmax_merge import softmax_shift
 from .options import LCEOptions
 from .terms import (
@@ -221,9 +222,7 @@ class EmptyShard:
                                dtype=None):
         return None  # never asked: the engine plans with the group's strategy (ShardCall)
 
-    @staticmethod
-    def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return tensor.mul_(scale.to(tensor.dtype))
+    scale_ = staticmethod(scale_in_fp32_)
 
     @staticmethod
     def statistics(inputs: ShardInputs):
@@ -544,7 +543,7 @@ def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):
         d_weight = _main_grad_protocol(ctx.weight_param, weight)
     d_bias = None
     if needs[2] and bias is not None:
-        d_bias = pad_rows(d_shard_b.mul_(scale), bias)
+        d_bias = pad_rows(ctx.strategy.scale_(d_shard_b, scale), bias)
     return d_input, d_weight, d_bias
 
 
