@@ -20,6 +20,8 @@ from torch import nn
 # vocab-parallel layer; they stay importable from here.
 from . import faults
 from .checks import (  # noqa: F401
+    autocast_on,
+    autocast_operands,
     check_flag,
     check_loss_mask,
     check_target_range,
@@ -118,6 +120,10 @@ def linear_cross_entropy(
     Returns:
         The loss (fp32; fp64 for fp64 inputs), and with ``return_lse`` the pair (loss, lse).
 
+    Under ``torch.autocast`` the GEMMs take autocast's dtype, as ``F.linear``'s do (16- and
+    32-bit inputs, weight and bias are cast; float64 is left alone), and the statistics and the
+    loss stay fp32; gradients reach the leaves in their own dtypes.
+
     Per-token losses of confident tokens keep fp32's relative precision, as torch's do
     (fused_lce.terms). Any strides are accepted. With D = 0 the logits are the bias (or 0), as
     torch gives. Second-order gradients (``create_graph=True``), ``torch.func`` transforms
@@ -189,6 +195,17 @@ def _dispatch(input, weight, target, bias, opts: LCEOptions, check_targets: bool
               loss_mask: torch.Tensor | None = None):
     if isinstance(input, torch.Tensor):
         faults.raise_found(input.device)  # an earlier call's fault, once its verdict is here
+    if not autocast_on(input):
+        return _run(input, weight, target, bias, opts, check_targets, loss_mask)
+    # Under autocast the GEMMs take its dtype, as F.linear's do; inside, every dtype is the
+    # op's own choice (fp32 statistics), so autocast is off there.
+    input, weight, bias = autocast_operands(input, weight, bias)
+    with torch.autocast(input.device.type, enabled=False):
+        return _run(input, weight, target, bias, opts, check_targets, loss_mask)
+
+
+def _run(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
+         loss_mask: torch.Tensor | None):
     validate(input, weight, target, bias, opts, check_targets=False)
     check_loss_mask(loss_mask, target, opts.reduction)
     impl = resolve_impl(opts, input.device, input.dtype)

@@ -87,6 +87,29 @@ def validate(
         check_target_range(target, opts.ignore_index, n_classes)
 
 
+def autocast_on(input) -> bool:
+    """Whether ``torch.autocast`` is on for ``input``'s device (a device type it knows)."""
+    if not isinstance(input, torch.Tensor) or input.device.type not in ("cpu", "cuda"):
+        return False
+    return torch.is_autocast_enabled(input.device.type)
+
+
+def autocast_operands(input, weight, bias):
+    """(input, weight, bias) as ``torch.autocast`` hands a linear layer its operands: where it is
+    on for the input's device, 16- and 32-bit floating tensors in its dtype (float64 and
+    anything not a tensor as they are). The op's statistics stay fp32 whatever the GEMMs take."""
+    if not autocast_on(input):
+        return input, weight, bias
+    dtype = torch.get_autocast_dtype(input.device.type)
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.dtype in CCE_DTYPES and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return cast(input), cast(weight), cast(bias)
+
+
 def check_flag(name: str, value: object) -> None:
     """A switch of the call that is not an ``LCEOptions`` field (``return_lse``,
     ``check_targets``): a bool, as LCEOptions requires of its own, not anything truthy."""

@@ -353,13 +353,22 @@ class LCEFunction(torch.autograd.Function):
         ctx.fault = fault
 
         ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
-        ctx.strategy, ctx.call = strategy, call
+        ctx.strategy, ctx.call, ctx.device_type = strategy, call, input.device.type
         ctx.weight_param = weight if call.weight_grad_accumulator is not None else None
         ctx.set_materialize_grads(False)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
+        # A backward called under autocast must not recast the op's own products.
+        device_type = ctx.device_type
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return LCEFunction._backward(ctx, grad_loss, grad_lse)
+        return LCEFunction._backward(ctx, grad_loss, grad_lse)
+
+    @staticmethod
+    def _backward(ctx, grad_loss, grad_lse):
         call: ShardCall = ctx.call
         refuse_double_backward(call.caller)
         refuse_function_transforms(call.caller, grad_loss, grad_lse)

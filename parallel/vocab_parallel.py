@@ -55,7 +55,15 @@ import torch
 import torch.distributed as dist
 
 from fused_lce import faults
-from fused_lce.checks import check_flag, check_loss_mask, class_ids, resolve_impl, validate
+from fused_lce.checks import (
+    autocast_on,
+    autocast_operands,
+    check_flag,
+    check_loss_mask,
+    class_ids,
+    resolve_impl,
+    validate,
+)
 from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, without_backward_options
 
@@ -140,6 +148,9 @@ def vocab_parallel_linear_cross_entropy(
     """
     if group is None:
         group = dist.group.WORLD
+    # Under autocast the GEMMs take its dtype, as a linear layer's do (every rank alike).
+    autocast = autocast_on(input)
+    input, weight, bias = autocast_operands(input, weight, bias)
     if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of `group`")
     options = dict(
@@ -189,7 +200,11 @@ def vocab_parallel_linear_cross_entropy(
         check_targets=check_targets, caller="vocab_parallel_linear_cross_entropy",
         grad_enabled=torch.is_grad_enabled(),
     )
-    loss, lse = LCEFunction.apply(input, weight, bias, target, call)
+    if autocast:  # inside, every dtype is the op's own choice (fp32 statistics)
+        with torch.autocast(input.device.type, enabled=False):
+            loss, lse = LCEFunction.apply(input, weight, bias, target, call)
+    else:
+        loss, lse = LCEFunction.apply(input, weight, bias, target, call)
     if opts.reduction == "none":
         loss = loss.reshape(target.shape)
     lse = lse.reshape(target.shape)
