@@ -4,7 +4,7 @@
 #
 #     bash scripts/gpu_suite.sh RESULTS_DIR STAGE [STAGE ...]
 #
-# NGPU=8 (default 4) runs the same stages on 8 GPUs (issue 8): bench adds TP=8, megatron runs
+# NGPU=8 (default 4) runs the same stages on 8 GPUs: bench adds TP=8, megatron runs
 # TP8 and TP4 x PP2, max-mbs runs at TP8. NGPU=2 (nvidia-h200-x2): bench at TP 1 and 2, megatron
 # and max-mbs run at TP2.
 #
@@ -23,7 +23,7 @@
 #                TP4 and TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
 #   max-mbs      scripts/max_micro_batch.py, cce, native and native-fused, TP = NGPU, sequence 4096
 #
-# Issue 17's multi-GPU targets on 2 x H200 (nvidia-h200-x2), every stage bounded, about 25 min:
+# The multi-GPU targets on 2 x H200 (nvidia-h200-x2), every stage bounded, about 25 min:
 #
 #     NGPU=2 bash scripts/gpu_suite.sh $OUT/s setup tests bench
 #     NGPU=2 STEPS=30 LAUNCH_FLAGS="--local-attention sdpa --sequence-parallel" \

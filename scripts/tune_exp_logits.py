@@ -10,12 +10,12 @@ a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it). "plain" c
 store the logits with no exponentials: what the same GEMM costs without its epilogue's work.
 The winner is what ``_CONFIGS["hopper"]`` should hold.
 
-On an H100 (2026-11-27, seventh session, 7 rounds; docs/benchmarks/single_gpu_h100_202611.md)
+On an H100 (2026-11-27, 7 rounds; docs/benchmarks/single_gpu_h100_202611.md)
 the plain GEMM ran at 1.00-1.01x cuBLAS at the three widths, the default at 1.05-1.09x and the
 flattened tile loops at 1.02-1.07x. In the whole step the flattened loop was 2% faster at
 Gemma-2 N = 8192 on one machine, and within the noise (or 4% slower at Llama-3 N = 4096) on
-another, so the default stayed. Two programs per SM with 128 x 128 tiles (eighth session, 5
-rounds) ran 1.22-1.41x cuBLAS, and 1.18-1.31x storing plain logits: Triton's main loop at
+another, so the default stayed. Two programs per SM with 128 x 128 tiles (2026-11-27, commit
+cb8711c, 5 rounds) ran 1.22-1.41x cuBLAS, and 1.18-1.31x storing plain logits: Triton's main loop at
 those tiles, not the epilogue, is what trails there.
 """
 
@@ -53,7 +53,7 @@ CONFIGS = {
     "s4 split2 flatten": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2, flatten=True),
     "split2 flatten plain": ExpLogitsConfig(_TILE, split=2, flatten=True, plain=True),
     # Two programs resident per multiprocessor (128 x 128 accumulators: half the registers), so
-    # that one's epilogue can overlap the other's MMAs. On an H100 (eighth session) even storing
+    # that one's epilogue can overlap the other's MMAs. On an H100 (commit cb8711c) even storing
     # plain logits these tiles ran 1.18-1.31x cuBLAS: no overlap wins that back.
     "128x128x64 s3 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3), programs_per_sm=2),
     "128x128x64 s3 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 3), programs_per_sm=2),

@@ -1,6 +1,6 @@
 """Input the op cannot take gets a clear error naming what to change, not an internal one.
 
-Each case here once failed deep inside (issue 24, item 4): batched gradients and torch.func
+Each case here once failed deep inside: batched gradients and torch.func
 transforms ("Cannot access storage of BatchedTensorImpl"), an infinite scratch budget
 (OverflowError from int(inf)), tensors on the meta device (".item() cannot be called on meta
 tensors"), a string where a bool belongs (taken as True). fp16 logits past 65504 gave a finite

@@ -1,4 +1,4 @@
-"""The package layout rules (issue 16), read from the source with ``ast``, in about a second.
+"""The package layout rules, read from the source with ``ast``, in about a second.
 
 The op (``fused_lce/``, and ``parallel/`` installed as ``fused_lce.parallel``) never imports the
 training package ``lce_train`` (``scripts/lce_train/``), and its single-device part imports no

@@ -2,7 +2,7 @@
 
 NCCL refuses two ranks on one GPU, but gloo carries the all-reduces, the SP all-gather and the
 reduce-scatter of CUDA tensors (through the host). Until machines of several GPUs are lent this
-is how every device session checks tensor parallelism: test_parallel_gpu.py's cases (uneven
+is how a one-GPU machine checks tensor parallelism: test_parallel_gpu.py's cases (uneven
 shards, every option, SP, vocabulary padding, kept logits, the weight-gradient accumulator, the
 chunked impl) and the gradient-in-forward walk with a loss mask and its exact-recompute
 fallback, each rank's results against the single-device float64 reference.

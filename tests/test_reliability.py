@@ -1,4 +1,4 @@
-"""Edge cases a new user meets on one device (issue 18), for every implementation.
+"""Edge cases a new user meets on one device, for every implementation.
 
 - Strided arguments: input, weight (strided and column-major), target and bias given as views
   with non-unit strides give the loss, lse and gradients of their contiguous copies; the kernel

@@ -1,6 +1,6 @@
 """What a user reads from our commands: their help, their errors, their documented examples.
 
-Each test holds one point of issue 27's item 6: the examples in scripts/pretrain_gpt.sh's header
+Each test holds one point a new user tripped over: the examples in scripts/pretrain_gpt.sh's header
 pass the launcher's own checks; ``python -m fused_lce.parallel.megatron_lm --help`` lists its
 flags; a negated ``--cce-no-*`` flag's help says what the flag sets; a module that Megatron-LM's
 ``megatron.training`` imports and that is missing is named as such.

@@ -1,4 +1,4 @@
-"""Every documented command works from the wheel, and the checkout's scripts with it (issue 27).
+"""Every documented command works from the wheel, and the checkout's scripts with it.
 
 Fast checks read the source: each ``lce_train`` tool (a module with ``main``) runs as
 ``python -m lce_train.<tool>`` and has a console script in setup.py; each script that imports
@@ -10,8 +10,8 @@ where this environment's setuptools builds wheels: ``--no-build-isolation``), in
 into a fresh virtual environment, then lends that environment this interpreter's site-packages
 (torch, megatron-core) through a ``.pth`` file written after the install, so pip never sees the
 checkout's own install. From a folder outside the checkout it runs each console script's
-``--help``, the memory study on the tiny config, and the checkout's scripts that issue 27 found
-broken. About 40 s on two cores.
+``--help``, the memory study on the tiny config, and the checkout's scripts that a review on
+2026-11-26 found broken. About 40 s on two cores.
 """
 
 from __future__ import annotations

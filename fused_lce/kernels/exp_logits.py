@@ -487,8 +487,8 @@ def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
 # (docs/benchmarks/single_gpu_h100_202611.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
 # two halves of the tile: 0.99-1.10x cuBLAS's plain GEMM, the best mean of seven variants (whole
 # epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep tiles in 2 stages were
-# 1.27-1.43x. The same GEMM storing plain logits runs at 1.00-1.01x cuBLAS (2026-11-27, seventh
-# session), so the rest is the exponentials' arithmetic, which Hopper's warp specialisation in
+# 1.27-1.43x. The same GEMM storing plain logits runs at 1.00-1.01x cuBLAS (2026-11-27, commit
+# 70bfb7c), so the rest is the exponentials' arithmetic, which Hopper's warp specialisation in
 # Triton (a loading warp, the MMA and epilogue in the same warps) does not overlap with the next
 # tile's MMAs.
 _CONFIGS = {

@@ -1,5 +1,5 @@
 """The training-equivalence experiment: does pretraining from scratch with fused_lce's loss
-train like megatron's own? (issue 7; results and the recipe in docs/training_equivalence.md)
+train like megatron's own? (results and the recipe in docs/training_equivalence.md)
 
     python scripts/training_equivalence.py run --out out/equivalence       # the matrix, on GPUs
     python scripts/training_equivalence.py report --out out/equivalence    # plots, CSV, table
