@@ -7,7 +7,7 @@ queue every call and cannot be captured in a CUDA graph. So a check ends on the 
 
 - the faulted call's loss and every gradient it returns are NaN (nothing is silently wrong);
 - the device's *fault register* (a few int64, one per device, allocated once) counts the fault
-  and keeps what the message needs (an offending class, the class count, the ranks);
+  and keeps the offending call's smallest and largest target for the message;
 - the register is copied, asynchronously, to pinned host memory after each check. In a CUDA
   graph the copy is a node of the graph, so replays publish their faults too.
 
@@ -63,11 +63,17 @@ class DeviceFaults:
 _DEVICES: dict[torch.device, DeviceFaults] = {}
 
 
+def _key(device: torch.device) -> torch.device:
+    """``device`` with its index, as the registers are keyed."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_faults(device: torch.device) -> DeviceFaults:
     """The register of ``device``, made at its first use (make it outside a CUDA graph capture:
     an op call before the capture does, as a warm-up must)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _key(device)
     faults = _DEVICES.get(device)
     if faults is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -115,9 +121,7 @@ def record_mismatch(mismatch: torch.Tensor) -> None:
 def raise_found(device: torch.device | None = None) -> None:
     """Raise for a fault that the host copy of ``device``'s register (or of every register)
     shows and that was not raised yet; reads host memory only, and makes no register."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    registers = _DEVICES.values() if device is None else [_DEVICES.get(device)]
+    registers = _DEVICES.values() if device is None else [_DEVICES.get(_key(device))]
     for faults in list(registers):
         if faults is not None:
             _raise_new(faults)
