@@ -60,6 +60,7 @@ def linear_cross_entropy(
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
     tma: bool | None = None,
+    cuda_graphs: bool = True,
     check_targets: bool = True,
     loss_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +112,8 @@ def linear_cross_entropy(
             (``fused_lce.options.LEAN_SCRATCH_MB``) is the lean mode, under 16 MiB in all.
         tma: cce: False keeps the pointer kernels rather than TMA tensor descriptors (env
             FUSED_LCE_TMA=0); None: the environment's choice, on by default.
+        cuda_graphs: cce on a GPU: capture the training forward as a CUDA graph at the second
+            call of a shape and replay it after (host cost of one launch); False: eager.
         check_targets: check for targets outside [0, num_classes) on the device, without a host
             sync: such a call's loss and gradients are NaN and it raises ValueError where its
             verdict reaches the host (CPU: in the call; GPU: a later call, or
@@ -155,6 +158,7 @@ def linear_cross_entropy(
         token_chunk_size=token_chunk_size,
         scratch_mb=scratch_mb,
         tma=tma,
+        cuda_graphs=cuda_graphs,
     )
     loss, lse = _dispatch(input, weight, target, bias, opts, check_targets, loss_mask)
     return (loss, lse) if return_lse else loss

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from . import faults
+from . import faults, graphs
 from .forward_grad import (
     ForwardGradPlan,
     assumed_token_grad,
@@ -59,6 +59,10 @@ class ShardReducer(Protocol):
         """Every token's hidden state (N, D) from this rank's ``input`` (with SP, a shard)."""
         ...
 
+    def gathered_rows(self, input: torch.Tensor) -> int:
+        """N, the rows ``gather_input`` gives, without gathering."""
+        ...
+
     def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of the partial input gradients, this rank's rows of it."""
         ...
@@ -77,6 +81,9 @@ class LocalReducer:
 
     def gather_input(self, input: torch.Tensor) -> torch.Tensor:
         return flat_rows(input)
+
+    def gathered_rows(self, input: torch.Tensor) -> int:
+        return flat_rows(input).shape[0]
 
     def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
         return d_hidden
@@ -310,49 +317,34 @@ class LCEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, target, call: ShardCall):
-        opts = call.opts
-        hidden = call.reducer.gather_input(input)
         flat_target = target.reshape(-1)
-        inputs = _shard_inputs(hidden, weight, bias, flat_target, call)
         strategy = call.strategy if call.local_classes > 0 else EmptyShard
-        valid = flat_target != opts.ignore_index
-        n_valid = valid.sum()
-        fault = _check_targets(flat_target, call) if call.check_targets else None
         needs = tuple(call.grad_enabled and need for need in ctx.needs_input_grad[:3])
-        plan = _token_walk_plan(call, hidden, weight, needs)
-        ctx.state, ctx.forward_grads, ctx.assumed = None, None, None
-        if plan is None:
-            ctx.state, stats = strategy.statistics(inputs)
-            lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
-        elif not any(needs):
-            # Evaluation walks the chunks training walks, with the same kernels, so a batch's
-            # loss is the same number in both; it only skips the gradients.
-            (lse, nll, row_sum), _ = _walk_token_chunks(
-                strategy, inputs, call, plan, needs, input.dtype, assumed=None
-            )
-        else:
-            # What the forward builds G with, kept for the backward's check: a copy, so a caller
-            # that edits loss_mask in place after the forward is still checked against what was
-            # assumed, and recomputed exactly where that no longer holds.
-            ctx.assumed = assumed_token_grad(valid, n_valid, opts.reduction, call.loss_mask,
-                                             compute_dtype(input.dtype))
-            (lse, nll, row_sum), ctx.forward_grads = _walk_token_chunks(
-                strategy, inputs, call, plan, needs, _partial_dtype(call, input), ctx.assumed
-            )
+        plan = _token_walk_plan(call, call.reducer.gathered_rows(input), weight, input, needs)
 
-        loss = token_loss(nll, lse, row_sum, call.num_classes, opts)
-        zero = torch.zeros_like(loss)
-        loss = torch.where(valid, loss, zero)
-        lse = torch.where(valid, lse, zero)
-        nll = torch.where(valid, nll, zero)
-        loss = reduce_tokens(loss, n_valid, opts.reduction)
-        if fault is not None:
-            loss = torch.where(fault.reshape(()), torch.nan, loss)
+        def forward_values(input, target, loss_mask):
+            return _forward_values(input, weight, bias, target, loss_mask, call, strategy, plan,
+                                   needs)
+
+        ctx.lease = None
+        replayed = None
+        if plan is not None and any(needs) and graphs.applies(input.device, call.opts.cuda_graphs):
+            # The training walk, captured once per key and replayed (fused_lce/graphs.py).
+            walk = graphs.captured_walk(_graph_key(call, input, weight, bias, flat_target, needs))
+            replayed = walk.run((input, flat_target, call.loss_mask), forward_values)
+        if replayed is None:
+            values = forward_values(input, flat_target, call.loss_mask)
+            loss, lse = values.loss, values.lse
+        else:
+            values, ctx.lease = replayed
+            loss, lse = values.loss.clone(), values.lse.clone()  # the next replay rewrites them
+        if values.fault is not None:
             # Reads only the register's host copy: on the CPU this call's own verdict.
             faults.raise_found(loss.device)
-        ctx.fault = fault
-
-        ctx.save_for_backward(input, weight, bias, flat_target, lse, nll, n_valid)
+        ctx.fault, ctx.state = values.fault, values.state
+        ctx.assumed, ctx.forward_grads = values.assumed, values.grads
+        ctx.save_for_backward(input, weight, bias, flat_target, values.lse, values.nll,
+                              values.n_valid)
         ctx.strategy, ctx.call, ctx.device_type = strategy, call, input.device.type
         ctx.weight_param = weight if call.weight_grad_accumulator is not None else None
         ctx.set_materialize_grads(False)
@@ -362,10 +354,15 @@ class LCEFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         # A backward called under autocast must not recast the op's own products.
         device_type = ctx.device_type
-        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):
-                return LCEFunction._backward(ctx, grad_loss, grad_lse)
-        return LCEFunction._backward(ctx, grad_loss, grad_lse)
+        try:
+            if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+                with torch.autocast(device_type, enabled=False):
+                    return LCEFunction._backward(ctx, grad_loss, grad_lse)
+            return LCEFunction._backward(ctx, grad_loss, grad_lse)
+        finally:
+            # A replayed forward's slot: every read of it is queued by now.
+            if ctx.lease is not None:
+                ctx.lease.release()
 
     @staticmethod
     def _backward(ctx, grad_loss, grad_lse):
@@ -436,6 +433,74 @@ class LCEFunction(torch.autograd.Function):
         return d_input, d_weight, d_bias, None, None
 
 
+class ForwardValues(NamedTuple):
+    """What a forward computes on the device: the loss and lse it returns, what its backward
+    reads, and (training walk) the gradients for the upstream gradient it assumed."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    nll: torch.Tensor
+    n_valid: torch.Tensor
+    fault: torch.Tensor | None  # the target check's verdict, (1,) bool
+    assumed: torch.Tensor | None  # the per-token upstream gradient the gradients are for
+    grads: tuple | None  # (d_hidden, d_weight, d_bias)
+    state: Any  # the strategy's, for a backward that recomputes
+
+
+def _forward_values(input, weight, bias, target, loss_mask, call: ShardCall, strategy, plan,
+                    needs) -> ForwardValues:
+    """The forward's device work, host reads excluded: what fused_lce/graphs.py captures."""
+    opts = call.opts
+    hidden = call.reducer.gather_input(input)
+    inputs = _shard_inputs(hidden, weight, bias, target, call)
+    valid = target != opts.ignore_index
+    n_valid = valid.sum()
+    fault = _check_targets(target, call) if call.check_targets else None
+    state = assumed = grads = None
+    if plan is None:
+        state, stats = strategy.statistics(inputs)
+        lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
+    elif not any(needs):
+        # Evaluation walks the chunks training walks, with the same kernels, so a batch's
+        # loss is the same number in both; it only skips the gradients.
+        (lse, nll, row_sum), _ = _walk_token_chunks(
+            strategy, inputs, call, plan, needs, input.dtype, assumed=None
+        )
+    else:
+        # What the forward builds G with, kept for the backward's check: a copy, so a caller
+        # that edits loss_mask in place after the forward is still checked against what was
+        # assumed, and recomputed exactly where that no longer holds.
+        assumed = assumed_token_grad(valid, n_valid, opts.reduction, loss_mask,
+                                     compute_dtype(input.dtype))
+        (lse, nll, row_sum), grads = _walk_token_chunks(
+            strategy, inputs, call, plan, needs, _partial_dtype(call, input), assumed
+        )
+    loss = token_loss(nll, lse, row_sum, call.num_classes, opts)
+    zero = torch.zeros_like(loss)
+    loss = torch.where(valid, loss, zero)
+    lse = torch.where(valid, lse, zero)
+    nll = torch.where(valid, nll, zero)
+    loss = reduce_tokens(loss, n_valid, opts.reduction)
+    if fault is not None:
+        loss = torch.where(fault.reshape(()), torch.nan, loss)
+    return ForwardValues(loss, lse, nll, n_valid, fault, assumed, grads, state)
+
+
+def _graph_key(call: ShardCall, input, weight, bias, target, needs) -> tuple:
+    """Everything a captured training forward fixes (fused_lce/graphs.py): a call that differs
+    in any of it is another graph."""
+    reducer = call.reducer
+    return (
+        input.device,
+        torch.cuda.current_stream(input.device).cuda_stream if input.is_cuda else None,
+        call.opts, call.strategy, call.vocab_start, call.local_classes, call.num_classes,
+        id(getattr(reducer, "group", None)), reducer.world_size,
+        getattr(reducer, "sequence_parallel", False), call.check_targets, call.caller, needs,
+        graphs.tensor_key(call.loss_mask), graphs.tensor_key(input), graphs.tensor_key(target),
+        graphs.tensor_key(weight, address=True), graphs.tensor_key(bias, address=True),
+    )
+
+
 def single_device_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -470,7 +535,8 @@ def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
     return compute_dtype(input.dtype) if call.reducer.world_size > 1 else input.dtype
 
 
-def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan | None:
+def _token_walk_plan(call: ShardCall, n_rows: int, weight, input, needs
+                     ) -> ForwardGradPlan | None:
     """The gradient-in-forward plan, where the strategy has one: training walks it computing
     gradients, evaluation (no gradient wanted) computing only the statistics. Decided by the
     group's strategy from what every rank shares (the padded shard's rows), so every rank walks
@@ -481,8 +547,8 @@ def _token_walk_plan(call: ShardCall, hidden, weight, needs) -> ForwardGradPlan 
     # Evaluation plans as training with every gradient wanted, so it walks the same chunks.
     wants_weight_grad = needs[1] or not any(needs)
     return call.strategy.plan_forward_gradients(
-        call.opts, hidden.shape[0], weight.shape[0], hidden.shape[1], hidden.element_size(),
-        wants_weight_grad, hidden.dtype,
+        call.opts, n_rows, weight.shape[0], input.shape[-1], input.element_size(),
+        wants_weight_grad, input.dtype,
     )
 
 

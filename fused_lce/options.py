@@ -191,6 +191,13 @@ class LCEOptions:
     layout (16-byte aligned rows) allow; False keeps the pointer kernels (env FUSED_LCE_TMA,
     "0" for False; default True)."""
 
+    cuda_graphs: bool = True
+    """cce on a GPU, gradients in the forward: the second training call of a shape captures the
+    forward as a CUDA graph and later calls replay it (fused_lce/graphs.py), so a call costs the
+    host one replay instead of some 25 launches a token chunk. The graph keeps its chunk buffer
+    and stored gradients between calls. False runs every call eagerly; a call inside the
+    caller's own capture (Megatron's full-iteration graphs) always does."""
+
     environment: Environment = field(
         default_factory=Environment.read, repr=False, compare=False,
         metadata={"user": False},
@@ -251,7 +258,7 @@ class LCEOptions:
                 if value <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
         for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits",
-                     "fp32_weight_grad"):
+                     "fp32_weight_grad", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.recompute_logits and self.backward in ("tiles", "in_forward"):

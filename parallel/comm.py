@@ -33,6 +33,7 @@ order effects:
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import pickle
 from dataclasses import dataclass
@@ -41,6 +42,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from fused_lce import graphs
+
+
+def _graphs_released_first(destroy):
+    """``destroy_process_group`` that first drops the op's captured forwards: NCCL does not
+    destroy a communicator while a CUDA graph that captured its collectives lives (measured
+    2026-11-27, torch 2.11 on 2 x H200: the call never returned)."""
+
+    @functools.wraps(destroy)
+    def destroy_process_group(*args, **kwargs):
+        graphs.clear()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group.releases_fused_lce_graphs = True
+    return destroy_process_group
+
+
+if not getattr(dist.destroy_process_group, "releases_fused_lce_graphs", False):
+    dist.destroy_process_group = _graphs_released_first(dist.destroy_process_group)
 
 
 def world_size(group) -> int:
@@ -111,6 +132,10 @@ class GroupReducer:
     def gather_input(self, input: torch.Tensor) -> torch.Tensor:
         hidden = all_gather_first_dim(input, self.group) if self.sequence_parallel else input
         return hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # D = 0 too
+
+    def gathered_rows(self, input: torch.Tensor) -> int:
+        rows = math.prod(input.shape[:-1])
+        return rows * self.world_size if self.sequence_parallel else rows
 
     def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
         # Every rank holds a partial sum of d_hidden over its classes: sum them in fp32.

@@ -28,7 +28,7 @@ CCE_CHOICES = ("cce", "linear")
 """The ``--cross-entropy-fusion-impl`` values that select our op."""
 ADAPTER_OPTIONS = ("softcap", "z_loss", "label_smoothing", "impl", "backward", "filter_eps",
                    "scratch_mb", "deterministic", "round_logits", "recompute_logits",
-                   "fp32_weight_grad", "upstream_mismatch", "vocab_size")
+                   "fp32_weight_grad", "upstream_mismatch", "cuda_graphs", "vocab_size")
 """The options the adapter passes to the op: LCEOptions fields, and ``vocab_size``, an argument of
 the vocab-parallel layer rather than a field, so it has no flag."""
 

@@ -71,7 +71,9 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
             ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
             ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``,
             ``fp32_weight_grad``, ``upstream_mismatch`` (default "auto": with the forward's
-            loss mask, which Megatron's loss meets, checked on the device, no sync); and
+            loss mask, which Megatron's loss meets, checked on the device, no sync),
+            ``cuda_graphs`` (default True: the loss forward replayed from its own CUDA graph,
+            outside Megatron's full-iteration capture); and
             ``vocab_size`` (the true vocabulary size when Megatron pads it; default: every row of
             the output weight is a class, as in Megatron's own loss).
         options_from: instead of ``options``, a function returning them, called at the first

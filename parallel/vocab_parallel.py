@@ -99,6 +99,7 @@ def vocab_parallel_linear_cross_entropy(
     token_chunk_size: int | None = None,
     scratch_mb: float | None = None,
     tma: bool | None = None,
+    cuda_graphs: bool = True,
     check_targets: bool = True,
     debug: bool = False,
     weight_grad_accumulator: torch.Tensor | None = None,
@@ -160,6 +161,7 @@ def vocab_parallel_linear_cross_entropy(
         recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
         upstream_mismatch=upstream_mismatch, vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size, scratch_mb=scratch_mb, tma=tma,
+        cuda_graphs=cuda_graphs,
     )
     # Every check that could fail on one rank only runs before the ranks' one agreement
     # collective, which carries its verdict: a rank that raised alone would leave its peers
