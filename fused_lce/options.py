@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Literal
 
@@ -36,7 +35,7 @@ IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "in_forward", "gemm", "tiles")
 UPSTREAM_MISMATCHES = ("auto", "recompute", "nan")
-LEGACY_BACKWARDS = {"forward": "in_forward"}  # the name before 2026-11; accepted with a warning
+RENAMED_BACKWARDS = {"forward": "in_forward"}  # renamed in 2026-11: refused, the new name given
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
 # the options table).
@@ -213,11 +212,9 @@ class LCEOptions:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        if self.backward in LEGACY_BACKWARDS:
-            new_name = LEGACY_BACKWARDS[self.backward]
-            warnings.warn(f"backward={self.backward!r} is now spelled backward={new_name!r}",
-                          FutureWarning, stacklevel=3)
-            object.__setattr__(self, "backward", new_name)
+        if self.backward in RENAMED_BACKWARDS:
+            raise ValueError(f"backward={self.backward!r} is now spelled "
+                             f"backward={RENAMED_BACKWARDS[self.backward]!r}")
         if self.backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
         if self.upstream_mismatch not in UPSTREAM_MISMATCHES:

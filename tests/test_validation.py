@@ -293,12 +293,11 @@ def test_bad_environment_is_refused_where_it_is_read(monkeypatch):
         LCEOptions(environment={"tma": "0"})
 
 
-def test_old_spelling_of_the_in_forward_backward_warns():
+def test_old_spelling_of_the_in_forward_backward_is_refused_naming_the_new_one():
     from fused_lce.options import LCEOptions
 
-    with pytest.warns(FutureWarning, match="backward='in_forward'"):
-        opts = LCEOptions(backward="forward")
-    assert opts.backward == "in_forward"
+    with pytest.raises(ValueError, match="backward='forward' is now spelled backward='in_forward'"):
+        LCEOptions(backward="forward")
 
 
 # ---------------------------------------------------------------------------------------------
