@@ -101,7 +101,7 @@ def test_byte_split_without_tokenizers(tmp_path, monkeypatch):
         assert len(docs) == meta["files"] == meta["documents"]
         assert all(doc[-1] == btf.EOD and btf.EOD not in doc[:-1] for doc in docs)
         assert np.array_equal(np.concatenate(docs), tokens)
-    with pytest.raises(SystemExit, match=r"pip install -e \.\[data\]"):
+    with pytest.raises(SystemExit, match=r"pip install 'fused_lce\[data\]'"):
         _build(tmp_path, "--tokenizer", "bpe")
 
 

@@ -82,7 +82,7 @@ def test_missing_files_are_named(tmp_path, datasets):
     (tmp_path / "old.bin").write_bytes(np.arange(10, dtype=np.uint16).tobytes())
     (tmp_path / "old.json").write_text(json.dumps({"vocab_size": 257, "dtype": "uint16"}))
     with pytest.raises(SystemExit, match="earlier flat format.*rebuild it with "
-                                         "scripts/build_token_file.py"):
+                                         "lce-build-token-file"):
         data.check_data_vocab([str(tmp_path / "old")], "--data-path", 300)
     low, high = datasets
     # A blend is checked prefix by prefix.

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seeded synthetic sequences (the default when no --data-path)")
     src.add_argument("--data-path", nargs="+", default=None,
                      help="Megatron indexed dataset: PREFIX (PREFIX.bin + PREFIX.idx, from "
-                          "Megatron-LM's tools/preprocess_data.py or scripts/build_token_file.py)"
+                          "Megatron-LM's tools/preprocess_data.py or lce-build-token-file)"
                           ", or a blend 'W1 PREFIX1 W2 PREFIX2 ...' as in Megatron-LM")
     g.add_argument("--data-cache-path", default=None,
                    help="where megatron's GPTDataset keeps its index caches (default: cache/ "

@@ -469,7 +469,9 @@ def measure_collectives(n_tokens, d, v_local, dtype, group, sp, args, device) ->
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
-        epilog="Launch with torchrun (one process per GPU); see the module docstring.",
+        epilog="Launch with torchrun, one process per GPU: torchrun --nproc-per-node 4 -m "
+               "lce_train.bench_parallel ...; without GPUs, --cpu-smoke checks it on 2 CPU "
+               "processes: torchrun --nproc-per-node 2 -m lce_train.bench_parallel --cpu-smoke",
     )
     parser.add_argument("--models", nargs="+", default=["gemma2_2b", "llama3_8b"],
                         help=f"model shapes from configs/models ({', '.join(known_models())})")
@@ -507,7 +509,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def init_distributed(args) -> torch.device:
     if "RANK" not in os.environ:
         sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 4 "
-                 "scripts/bench_parallel.py ...")
+                 "-m lce_train.bench_parallel ...")
     timeout = datetime.timedelta(minutes=10)
     if args.cpu_smoke:
         # Before fused_lce imports Triton: the kernels run under the interpreter.

@@ -1,13 +1,13 @@
-"""Build a Megatron indexed dataset (.bin + .idx) for scripts/pretrain_gpt.py --data-path from
-text already on this machine.
+"""Build a Megatron indexed dataset (.bin + .idx) for the launcher's --data-path
+(lce-pretrain-gpt) from text already on this machine.
 
-    python scripts/build_token_file.py --out data/stdlib                  # Python's stdlib, bytes
-    python scripts/build_token_file.py --out data/stdlib_words --tokenizer word --vocab-size 8192
-    python scripts/build_token_file.py --source /usr/share/doc --ext .txt .md --out data/docs
-    python scripts/build_token_file.py --tokenizer bpe --vocab-size 131072 --valid-fraction 0.04 \\
+    lce-build-token-file --out data/stdlib                  # Python's stdlib, bytes
+    lce-build-token-file --out data/stdlib_words --tokenizer word --vocab-size 8192
+    lce-build-token-file --source /usr/share/doc --ext .txt .md --out data/docs
+    lce-build-token-file --tokenizer bpe --vocab-size 131072 --valid-fraction 0.04 \\
         --source "$STDLIB" --source "$STDLIB/site-packages" --order hash --max-mb 100 --out data/py
 
-    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --data-path data/stdlib --vocab-size 257 ...
+    torchrun --nproc-per-node 2 -m lce_train.training --data-path data/stdlib --vocab-size 257 ...
 
 Reads the files under each ``--source`` (default: Python's standard library, the folder of
 ``os.py``; folders named site-packages, dist-packages, __pycache__ or .git are never entered, so
@@ -43,9 +43,9 @@ Tokenizers (all decodable):
     bpe    byte-level BPE (GPT-2's pre-tokenizer and byte alphabet) trained with HuggingFace
            tokenizers to --vocab-size ids (min. pair frequency 2); id 0 is the end-of-document
            token <|endoftext|>, which a literal "<|endoftext|>" in the text never produces.
-           Needs `pip install -e .[data]` (tokenizers, pinned in setup.py).
+           Needs `pip install 'fused_lce[data]'` (tokenizers, at the pinned version).
 
-Writing needs megatron-core (`pip install -e .[megatron]`).
+Writing needs megatron-core (`pip install 'fused_lce[megatron]'`).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ PIECE = re.compile(r" ?\w+| ?[^\w\s]+|\s+")
 EOD = 256
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 BPE_EOD_TOKEN = "<|endoftext|>"
-TOKENIZERS_HINT = ("--tokenizer bpe needs HuggingFace tokenizers: pip install -e .[data] "
-                   "(or pip install tokenizers==0.23.3)")
+TOKENIZERS_HINT = ("--tokenizer bpe needs HuggingFace tokenizers: "
+                   "pip install 'fused_lce[data]' (or pip install tokenizers==0.23.3)")
 # Documents per encode_batch call: bounds the memory of the tokenizer's intermediate objects.
 BPE_BATCH = 256
 
@@ -303,7 +303,7 @@ def _indexed_dataset_builder():
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     except ImportError as err:
         raise SystemExit(f"writing Megatron's indexed format needs megatron-core ({err}): "
-                         "pip install -e .[megatron]") from None
+                         "pip install 'fused_lce[megatron]'") from None
     return DType, IndexedDatasetBuilder
 
 

@@ -1,6 +1,6 @@
 """Train the same model with fused_lce's ``cce`` loss and with megatron-core's own, side by side.
 
-    python scripts/compare_losses.py        # or: python -m lce_train.compare_losses
+    lce-compare-losses        # or: python -m lce_train.compare_losses
 
 runs the training loop of the launcher (lce_train.training) on the tiny config with
 TP=2 over gloo (two CPU processes; NCCL and one process per GPU where CUDA is present), once per
@@ -49,7 +49,7 @@ DEFAULTS = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--seq-leng
 def parse(argv):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Other flags go to the launcher, scripts/pretrain_gpt.py (after the defaults "
+        epilog="Other flags go to the launcher, lce-pretrain-gpt (after the defaults "
                + " ".join(DEFAULTS) + ").")
     p.add_argument("--impls", default="cce,native,unfused",
                    help="comma-separated, from " + ", ".join(IMPL_FLAGS) + "; the first is "

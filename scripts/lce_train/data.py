@@ -82,11 +82,11 @@ def dataset_meta(prefix: str) -> dict:
         if bin_path.exists() and json_path.exists():
             raise SystemExit(f"--data-path {prefix}: {bin_path} has no {idx_path.name}: a token "
                              "file in the launcher's earlier flat format, which is not read any "
-                             "more; rebuild it with scripts/build_token_file.py (Megatron's "
+                             "more; rebuild it with lce-build-token-file (Megatron's "
                              "indexed format)")
         raise SystemExit(f"--data-path {prefix}: {idx_path} not found (an indexed dataset is "
                          "PREFIX.bin + PREFIX.idx, from Megatron-LM's tools/preprocess_data.py "
-                         "or scripts/build_token_file.py)")
+                         "or lce-build-token-file)")
     if not bin_path.exists():
         raise SystemExit(f"--data-path {prefix}: {bin_path} not found (beside {idx_path.name})")
     return json.loads(json_path.read_text()) if json_path.exists() else {}

@@ -1,6 +1,6 @@
 """Side-by-side table of Megatron-LM ``pretrain_gpt.py`` runs, read from their logs.
 
-    python scripts/megatron_lm_report.py RESULTS_DIR
+    lce-megatron-lm-report RESULTS_DIR
 
 reads every ``RESULTS_DIR/<layout>_<loss>.log`` (as scripts/megatron_lm_gpu.sh writes them) and
 prints one markdown table per layout: the final ``lm loss``, the mean over the last 10
@@ -131,7 +131,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="folder of <layout>_<loss>.log files")
     parser.add_argument("--step", action="store_true",
-                        help="the logs of scripts/megatron_lm_step.sh")
+                        help="the logs of the step-time runs (the repository's "
+                             "megatron_lm_step.sh)")
     parser.add_argument("--skip", type=int, default=10,
                         help="--step: iterations left out of the medians (warm-up, capture)")
     args = parser.parse_args(argv)

@@ -39,7 +39,9 @@ def init_distributed(args) -> None:
     """torch.distributed from torchrun's environment, then megatron's parallel groups."""
     if not torch.distributed.is_initialized():
         if "RANK" not in os.environ:
-            raise SystemExit("run under torchrun (see the docstring), or pass --dry-run")
+            raise SystemExit("run under torchrun, one process per rank: torchrun "
+                             "--nproc-per-node N -m lce_train.training FLAGS (N = TP x PP x CP x "
+                             "DP); or pass --dry-run to print the plan without running it")
         if args.distributed_backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group(backend=args.distributed_backend)

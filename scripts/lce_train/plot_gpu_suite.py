@@ -1,8 +1,8 @@
-"""Plots and tables for the results of scripts/gpu_suite.sh (run on the CPU, after the GPU run).
+"""Plots and tables for the result folders of the 4-GPU suite (run on the CPU, after the GPU run).
 
-    python scripts/plot_gpu_suite.py parallel docs/benchmarks/vocab_parallel_h200x4_202611
-    python scripts/plot_gpu_suite.py megatron docs/benchmarks/megatron_h200x4_202611
-    python scripts/plot_gpu_suite.py pp-memory docs/benchmarks/pp_memory_h200x4_202611
+    lce-plot-gpu-suite parallel docs/benchmarks/vocab_parallel_h200x4_202611
+    lce-plot-gpu-suite megatron docs/benchmarks/megatron_h200x4_202611
+    lce-plot-gpu-suite pp-memory docs/benchmarks/pp_memory_h200x4_202611
 
 parallel   bench_parallel.csv -> time_and_memory.png, and a markdown table on stdout
 megatron   megatron_<layout>_<impl>.jsonl -> loss_curves.png, and per layout: final loss, mean
@@ -242,13 +242,40 @@ def pp_memory(folder: Path) -> None:
     print(f"wrote {folder / 'predicted_vs_measured.png'}")
 
 
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+
+# The files each report reads, raw or compact: a folder with none of them is the wrong folder (or
+# one the GPU run's results were not copied into), which deserves a sentence, not a traceback.
+EXPECTED = {
+    "parallel": ("bench_parallel.csv", "runs.csv"),
+    "megatron": ("megatron_<layout>_<impl>.jsonl", "runs.jsonl"),
+    "pp-memory": tuple(f"pp_{name}_measured.csv" for name in MEASURED_LAYOUTS),
+}
+
+
+def missing_results(what: str, folder: Path) -> str | None:
+    """Why ``folder`` has nothing for the ``what`` report to read, or None when it has."""
+    if not folder.is_dir():
+        return f"{folder}: no such folder (expected a folder of {what} results)"
+    patterns = [name.replace("<layout>", "*").replace("<impl>", "*") for name in EXPECTED[what]]
+    if any(any(folder.glob(pattern)) for pattern in patterns):
+        return None
+    return f"{folder}: no {what} results: expected {' or '.join(EXPECTED[what])} in it"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("parallel", "megatron", "pp-memory"))
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("what", choices=tuple(EXPECTED), help="the report; it reads " + "; ".join(
+        f"{what}: {' or '.join(names)}" for what, names in EXPECTED.items()))
+    parser.add_argument("folder", type=Path, help="the folder of one GPU run's results")
     parser.add_argument("--run", default=None,
                         help="the run of the folder's runs.csv / runs.jsonl (default: the last)")
     args = parser.parse_args(argv)
+    problem = missing_results(args.what, args.folder)
+    if problem is not None:
+        parser.error(problem)
     if args.what == "pp-memory":
         pp_memory(args.folder)
     else:

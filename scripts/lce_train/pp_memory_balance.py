@@ -198,7 +198,7 @@ def launcher_command(args, lay: pm.Layout, loss: str, split: list[int], log_json
     """torchrun of the launcher (the installed lce_train) for one loss and a first/last-flag
     split."""
     if lay.vpp != 1 or lay.recompute == "full":
-        raise SystemExit("--measure: scripts/pretrain_gpt.py has no virtual stages and no full "
+        raise SystemExit("--measure: the launcher has no virtual stages and no full "
                          "recomputation")
     world = lay.tp * lay.pp * lay.dp
     cmd = ["torchrun", "--nproc-per-node", str(world), "-m", "lce_train.training",

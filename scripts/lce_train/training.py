@@ -235,8 +235,8 @@ def main(argv=None) -> None:
         return
     if importlib.util.find_spec("megatron.core") is None:
         raise SystemExit(
-            "pretrain_gpt.py needs megatron-core (--cross-entropy-fusion-impl "
-            f"{args.cross_entropy_fusion_impl}): pip install -e .[megatron]"
+            "lce-pretrain-gpt needs megatron-core (--cross-entropy-fusion-impl "
+            f"{args.cross_entropy_fusion_impl}): pip install 'fused_lce[megatron]'"
         )
     train(args)
     torch.distributed.barrier()

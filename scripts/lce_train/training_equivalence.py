@@ -1,15 +1,16 @@
 """The training-equivalence experiment: does pretraining from scratch with fused_lce's loss
 train like megatron's own? (results and the recipe in docs/training_equivalence.md)
 
-    python scripts/training_equivalence.py run --out out/equivalence       # the matrix, on GPUs
-    python scripts/training_equivalence.py report --out out/equivalence    # plots, CSV, table
-    python scripts/training_equivalence.py compact --out out/equivalence --dest runs.jsonl.gz
-    python scripts/training_equivalence.py report --out docs/training_equivalence/runs.jsonl.gz
-    python scripts/training_equivalence.py run --cpu-smoke --out /tmp/eq --corpora zipf
+    lce-training-equivalence run --out out/equivalence       # the matrix, on GPUs
+    lce-training-equivalence report --out out/equivalence    # plots, CSV, table
+    lce-training-equivalence compact --out out/equivalence --dest runs.jsonl.gz
+    lce-training-equivalence report --out docs/training_equivalence/runs.jsonl.gz
+    lce-training-equivalence run --cpu-smoke --out /tmp/eq --corpora zipf
 
 ``run`` trains every (corpus, variant, seed) of configs/experiments/training_equivalence.yaml
-with scripts/pretrain_gpt.py, one GPU per run (``CUDA_VISIBLE_DEVICES``, ``torchrun
---nproc-per-node 1`` with its own ``--master-port``), at most one run per visible GPU at a time;
+with the launcher script of a source checkout (pretrain_gpt.py), one GPU per run
+(``CUDA_VISIBLE_DEVICES``, ``torchrun --nproc-per-node 1`` with its own ``--master-port``), at
+most one run per visible GPU at a time;
 each run writes ``<out>/<corpus>_<variant>_s<seed>.jsonl`` (the launcher's ``--log-json``: one
 record per step, with validation losses and probes where they ran) and a ``.log``, and
 ``<out>/runs.json`` records the commands, exit codes and wall times. The text corpus's token
