@@ -1,5 +1,5 @@
 """The training-equivalence experiment's ``run``: every (corpus, variant, seed) of the matrix as
-one launcher run (scripts/pretrain_gpt.py under ``torchrun --nproc-per-node 1``), at most one per
+one launcher run (``torchrun --nproc-per-node 1 -m lce_train.training``), at most one per
 visible GPU at a time, each writing ``<out>/<name>.jsonl`` and ``.log``; ``<out>/runs.json``
 records the commands, exit codes and wall times (:func:`cmd_run`).
 """
@@ -19,7 +19,8 @@ import numpy as np
 from lce_train.equivalence_config import ROOT, Experiment, Job, Targets, load_experiment
 from lce_train.equivalence_logs import read_records
 
-LAUNCHER = ROOT / "scripts" / "pretrain_gpt.py"
+# The installed launcher's module, so that a wheel runs the matrix as a checkout does.
+LAUNCHER = ("-m", "lce_train.training")
 DEFAULT_BASE_PORT = 29610
 
 
@@ -188,7 +189,7 @@ def cmd_run(args) -> int:
                         exp.targets)
     for index, job in enumerate(matrix):
         log_json = out / f"{job.name}.jsonl"
-        command = [*_torchrun(args.base_port + index), str(LAUNCHER),
+        command = [*_torchrun(args.base_port + index), *LAUNCHER,
                    *launcher_flags(exp, job, steps, data, log_json, overrides)]
         jobs.append((job, command))
     print(f"{len(jobs)} runs ({len(corpora)} corpora x {len(variants)} variants x "
