@@ -18,6 +18,13 @@ and megatron's tracker) when the layout is the same (then a resumed run repeats 
 bitwise). The data need no state: the batch of step k is a function of the seed, k and the global
 batch size (``lce_train.data``), so the global batch size must stay the same.
 
+The vocabulary must stay the same too, padding included: Megatron pads it to a multiple of
+``--make-vocab-size-divisible-by`` x TP and every padded row is a class of the softmax, so a
+resume at another TP that pads to another size would compute another loss (dist_checkpointing
+reads a smaller slice of the saved rows without a word). The checkpoint records the vocabulary
+(``vocab``: true and padded size, divisible-by, TP) and a run whose vocabulary differs is refused,
+naming the flag that reproduces the checkpoint's padding.
+
 The launcher's earlier format (one ``torch.save`` file per rank, ``iter_*/rank_*.pt``) is not
 read: its folders are refused with a message naming them.
 """
@@ -63,6 +70,14 @@ def layout(args) -> dict:
 
 def iteration_folder(root, step: int) -> Path:
     return Path(root) / f"iter_{step:07d}"
+
+
+def vocab(args) -> dict:
+    """What the rows of the embedding and output layer stand for: the true vocabulary size, the
+    padded one (the rows), and the divisible-by and TP that padded it."""
+    return {"size": args.model.vocab_size, "padded": args.padded_vocab_size,
+            "divisible_by": args.make_vocab_size_divisible_by,
+            "tp": args.tensor_model_parallel_size}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +228,7 @@ def _sharded_state(args, step, gpt, optimizer, *, loading: bool, with_rng: bool)
         "layout": layout(args),
         "global_batch_size": args.global_batch_size,
         "seed": args.seed,
+        "vocab": vocab(args),
         "model": model_sd,
         "optimizer": _optimizer_sharded_state(optimizer, model_sd, loading),
     }
@@ -314,6 +330,87 @@ def _load_common(folder: Path) -> dict:
     return common
 
 
+# ---------------------------------------------------------------------------------------------
+# The vocabulary: the same true size and the same padding, or refused
+# ---------------------------------------------------------------------------------------------
+
+# The rows of this tensor are the padded vocabulary in every checkpoint of the launcher.
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def _saved_vocab(folder: Path, common: dict) -> dict:
+    """The checkpoint's vocabulary record; for one saved before the launcher wrote it, the padded
+    size read off the embedding's global shape (the true size is not known then)."""
+    if "vocab" in common:
+        return common["vocab"]
+    from megatron.core import dist_checkpointing
+
+    embedding = dist_checkpointing.load_tensors_metadata(str(folder)).get(EMBEDDING_KEY)
+    padded = embedding.global_shape[0] if embedding is not None else None
+    return {"size": None, "padded": padded, "divisible_by": None, "tp": common["layout"]["tp"]}
+
+
+def divisible_by_for(padded: int, size: int, tp: int, preferred: int | None = None) -> int | None:
+    """The --make-vocab-size-divisible-by that pads SIZE tokens to PADDED rows at TP, or None if
+    none does: PREFERRED if it does (the checkpoint's multiple, divisible-by x its TP, spread over
+    this TP, so the padding keeps its rule), else the smallest.
+
+    N does when PADDED is the first multiple of N x TP at or above SIZE, the rule of
+    lce_train.arguments.padded_vocab_size (written out, not imported, so that this module keeps
+    to the imports docs/architecture.md draws).
+    """
+    def pads(n: int) -> bool:
+        multiple = n * tp
+        return padded % multiple == 0 and padded - multiple < size <= padded
+
+    if preferred and pads(preferred):
+        return preferred
+    return next((n for n in range(1, padded // tp + 1) if pads(n)), None)
+
+
+def _padding_fix(saved: dict, size: int, tp: int) -> str:
+    """What to pass so that this run pads the vocabulary as the checkpoint did."""
+    padded = saved["padded"]
+    if size > padded:  # a checkpoint saved before its vocabulary was recorded
+        return (f"the checkpoint has fewer rows than this run's {size} tokens: pass the "
+                "--vocab-size it was saved with")
+    multiple = (saved["divisible_by"] or 0) * (saved["tp"] or 0)
+    n = divisible_by_for(padded, size, tp, multiple // tp if multiple % tp == 0 else None)
+    if n is not None:
+        return (f"pass --make-vocab-size-divisible-by {n} so that the padded vocabulary is "
+                f"{padded} as in the checkpoint")
+    return (f"no --make-vocab-size-divisible-by N pads {size} tokens to {padded} rows at TP {tp} "
+            f"(padded = ceil({size} / (N x TP)) x N x TP): resume at a TP size that divides "
+            f"{padded}, with N = {padded} / TP")
+
+
+def _padding_text(padded, divisible_by, tp) -> str:
+    rule = f"--make-vocab-size-divisible-by {divisible_by} x TP {tp}" if divisible_by \
+        else f"TP {tp}"
+    return f"{padded} rows ({rule})"
+
+
+def check_vocab(folder: Path, saved: dict, args) -> None:
+    """Refuse a checkpoint whose vocabulary is not this run's, before any weight is read.
+
+    Every padded row is a class of the softmax, so another padding is another loss; and
+    dist_checkpointing reads the rows asked for, cutting the saved ones short without a word when
+    this run pads to fewer.
+    """
+    size, padded, tp = args.model.vocab_size, args.padded_vocab_size, \
+        args.tensor_model_parallel_size
+    if saved["size"] is not None and saved["size"] != size:
+        raise SystemExit(f"{folder} was saved with a vocabulary of {saved['size']} tokens, this "
+                         f"run has {size}: pass --vocab-size {saved['size']} (or the model "
+                         "config it was saved with); its rows were trained for that vocabulary")
+    if saved["padded"] is not None and saved["padded"] != padded:
+        was = _padding_text(saved["padded"], saved["divisible_by"], saved["tp"])
+        now = _padding_text(padded, args.make_vocab_size_divisible_by, tp)
+        raise SystemExit(f"{folder} was saved with the vocabulary padded to {was}, this run "
+                         f"pads its {size} tokens to {now}: the padded rows are classes of the "
+                         f"softmax, so the loss would change; {_padding_fix(saved, size, tp)}")
+
+
 def _first_line(err: BaseException) -> str:
     """The first line of what went wrong, looking inside torch's per-rank CheckpointException."""
     failures = getattr(err, "failures", None)
@@ -339,6 +436,7 @@ def load_checkpoint(args, gpt, optimizer, log=print) -> int:
         raise SystemExit(f"{folder} was saved with --global-batch-size "
                          f"{common['global_batch_size']}, this run has {args.global_batch_size}: "
                          "the data position is step-addressed, keep the global batch size")
+    check_vocab(folder, _saved_vocab(folder, common), args)
     same_layout = common["layout"] == layout(args)
     request = _sharded_state(args, step, gpt, optimizer, loading=True, with_rng=same_layout)
     try:
