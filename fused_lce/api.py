@@ -11,6 +11,9 @@ chosen implementation:
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import functools
 import math
 
 import torch
@@ -135,6 +138,17 @@ def linear_cross_entropy(
     takes batched gradients). On the meta device only ``impl="torch"`` runs (shapes and dtypes,
     with ``check_targets=False``).
     """
+    if torch.compiler.is_compiling():
+        loss, lse = _compiled_call(
+            input, weight, target, bias, loss_mask, check_targets, ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+            num_classes=num_classes, backward=backward, filter_eps=filter_eps,
+            vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
+            recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
+            upstream_mismatch=upstream_mismatch, impl=impl, chunk_by=chunk_by,
+            vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size,
+            scratch_mb=scratch_mb, tma=tma, cuda_graphs=cuda_graphs)
+        return (loss, lse) if return_lse else loss
     check_flag("return_lse", return_lse)
     check_flag("check_targets", check_targets)
     opts = LCEOptions(
@@ -187,8 +201,13 @@ class LinearCrossEntropy(nn.Module):
         bias: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
     ):
-        loss, lse = _dispatch(input, weight, target, bias, self.options, self.check_targets,
-                              loss_mask)
+        if torch.compiler.is_compiling():
+            fields = {name: getattr(self.options, name) for name in _WORDS + _NUMBERS}
+            loss, lse = _compiled_call(input, weight, target, bias, loss_mask,
+                                       self.check_targets, **fields)
+        else:
+            loss, lse = _dispatch(input, weight, target, bias, self.options, self.check_targets,
+                                  loss_mask)
         return (loss, lse) if self.return_lse else loss
 
     def extra_repr(self) -> str:
@@ -242,3 +261,139 @@ def _run(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
     if opts.reduction == "none":
         loss = loss.reshape(batch_shape)
     return loss, lse.reshape(batch_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: the op as one node of the compiled graph
+# ---------------------------------------------------------------------------------------------
+#
+# Dynamo cannot trace the op's Python (its options snapshot the environment, its checks branch
+# on what they find), so while compiling, ``linear_cross_entropy`` calls two custom ops instead:
+# ``fused_lce::loss`` runs the eager op on its inputs without autograd and gives (loss, lse);
+# ``fused_lce::loss_backward`` runs it again with autograd and returns the gradients of what
+# the compiled graph sends back. The graph holds each as one node, with fake kernels giving
+# the shapes, so ``fullgraph=True`` and dynamic shapes trace. The price: the forward's GEMM is
+# run twice (four GEMMs, as ``backward="gemm"``). The options travel as one string of their
+# words (strings, flags) and as typed numbers: under dynamic shapes Dynamo may trace a number
+# symbolically, and cannot then spell it.
+
+_WORDS = ("reduction", "backward", "filter_eps", "vocab_sort", "round_logits", "recompute_logits",
+          "fp32_weight_grad", "upstream_mismatch", "deterministic", "impl", "chunk_by", "tma",
+          "cuda_graphs")
+_NUMBERS = ("ignore_index", "label_smoothing", "softcap", "z_loss", "num_classes", "filter_eps",
+            "vocab_chunk_size", "token_chunk_size", "scratch_mb")
+_NUMBERS_SCHEMA = ("int ignore_index, float label_smoothing, float? softcap, float z_loss, "
+                   "int? num_classes, float? filter_eps, int? vocab_chunk_size, "
+                   "int? token_chunk_size, float? scratch_mb")
+
+
+def _compiled_call(input, weight, target, bias, loss_mask, check_targets, **options):
+    """(loss, lse) through the custom ops, the options given by name."""
+    filter_eps = options["filter_eps"]
+    spelled = isinstance(filter_eps, str)
+    words = [repr("number" if name == "filter_eps" and not spelled else options[name])
+             for name in _WORDS]
+    numbers = [None if name == "filter_eps" and spelled else options[name] for name in _NUMBERS]
+    return torch.ops.fused_lce.loss(input, weight, target, bias, loss_mask, ", ".join(words),
+                                    *numbers, check_targets)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_options(words: str, *numbers) -> LCEOptions:
+    """The options of a compiled call, from the words and numbers ``linear_cross_entropy``
+    passed (``filter_eps`` is a word where it is one, else a number)."""
+    options = dict(zip(_WORDS, ast.literal_eval(f"({words},)"), strict=True))
+    given = dict(zip(_NUMBERS, numbers, strict=True))
+    if options["filter_eps"] == "number":
+        options["filter_eps"] = given["filter_eps"]
+    del given["filter_eps"]
+    return LCEOptions(**options, **given)
+
+
+@torch.library.custom_op(
+    "fused_lce::loss", mutates_args=(),
+    schema="(Tensor input, Tensor weight, Tensor target, Tensor? bias, Tensor? loss_mask, "
+           f"str words, {_NUMBERS_SCHEMA}, bool check_targets) -> (Tensor, Tensor)")
+def _compiled_loss(input, weight, target, bias, loss_mask, words, *rest):
+    *numbers, check_targets = rest
+    with torch.no_grad():
+        return _dispatch(input, weight, target, bias, _compiled_options(words, *numbers),
+                         check_targets, loss_mask)
+
+
+@_compiled_loss.register_fake
+def _(input, weight, target, bias, loss_mask, words, *rest):
+    dtype = torch.promote_types(input.dtype, torch.float32)
+    reduction = ast.literal_eval(f"({words},)")[0]
+    reduced = target.shape if reduction == "none" else ()
+    return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
+
+
+# A custom op's kernel runs with autograd's dispatch keys excluded, which would keep the views
+# and slices the op makes of its leaves out of the graph: the backward op puts them back while it
+# differentiates the eager op (autocast's stay excluded).
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"))
+
+
+@contextlib.contextmanager
+def _autograd_inside_an_op():
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _AUTOGRAD_KEYS]
+    for key in _AUTOGRAD_KEYS:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, was in zip(_AUTOGRAD_KEYS, excluded):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+@torch.library.custom_op(
+    "fused_lce::loss_backward", mutates_args=(),
+    schema="(Tensor? grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
+           f"Tensor? bias, Tensor? loss_mask, bool[] needs, str words, {_NUMBERS_SCHEMA}) "
+           "-> (Tensor, Tensor, Tensor)")
+def _compiled_loss_backward(grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs,
+                            words, *numbers):
+    # (d_bias is an empty tensor without a bias: an op's outputs cannot be None.)
+    operands = (input, weight, bias if bias is not None else input.new_empty(0))
+    leaves = [x.detach().requires_grad_(need) for x, need in zip(operands, needs)]
+    with _autograd_inside_an_op(), torch.enable_grad():
+        # The targets were checked by the forward.
+        outputs = _dispatch(leaves[0], leaves[1], target, leaves[2] if bias is not None else None,
+                            _compiled_options(words, *numbers), False, loss_mask)
+    given = [(out, grad) for out, grad in zip(outputs, (grad_loss, grad_lse)) if grad is not None]
+    wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+    found = iter(torch.autograd.grad([o for o, _ in given], wanted, [g for _, g in given],
+                                     allow_unused=True) if given and wanted else ())
+    grads = [next(found) if need else None for need in needs]
+    return tuple(torch.zeros_like(x) if grad is None else grad
+                 for x, grad in zip(operands, grads))
+
+
+@_compiled_loss_backward.register_fake
+def _(grad_loss, grad_lse, input, weight, target, bias, *rest):
+    return (torch.empty_like(input), torch.empty_like(weight),
+            input.new_empty(0) if bias is None else torch.empty_like(bias))
+
+
+def _setup_compiled_loss(ctx, inputs, output):
+    input, weight, target, bias, loss_mask, words, *rest = inputs
+    ctx.save_for_backward(input, weight, target, bias, loss_mask)
+    ctx.words, ctx.numbers = words, rest[:-1]
+    # An unused lse sends None, not zeros: a gradient through it would make the op recompute.
+    ctx.set_materialize_grads(False)
+
+
+def _compiled_loss_grad(ctx, grad_loss, grad_lse):
+    input, weight, target, bias, loss_mask = ctx.saved_tensors
+    wants = ctx.needs_input_grad
+    needs = [wants[0], wants[1], bias is not None and wants[3]]
+    d_input, d_weight, d_bias = _compiled_loss_backward(
+        grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs, ctx.words,
+        *ctx.numbers)
+    return (d_input if needs[0] else None, d_weight if needs[1] else None, None,
+            d_bias if needs[2] else None) + (None,) * (len(_NUMBERS) + 3)
+
+
+_compiled_loss.register_autograd(_compiled_loss_grad, setup_context=_setup_compiled_loss)
