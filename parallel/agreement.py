@@ -51,7 +51,7 @@ skipped it, and raises comm.HostGroupError after the group's timeout, where ever
 exchange would have raised at once. Why bother: the exchange is a barrier of the ranks' hosts.
 In a training step whose host barely keeps ahead of the GPU (four layers at TP4, traced on
 4 x H200, 2026-11-27), each host waited 2-2.6 ms in it for the slowest, while its GPU idled,
-eight times a step (docs/benchmarks/megatron_h200x4_202611.md).
+eight times a step (docs/benchmarks/training_step.md).
 
 What is cached: the gloo group per set of ranks and, with ``every_call=False``, the last agreed
 call per group, nothing else. Measured with

@@ -1,6 +1,6 @@
 """Where each cce strategy is the best choice: one GPU, named shapes, budgets and workloads.
 
-    python scripts/bench_strategies.py --out docs/benchmarks/strategies_h100_202611
+    python scripts/bench_strategies.py --out RESULTS_DIR
 
 Every strategy the op keeps must win somewhere (or provide a feature nothing else does); this
 script times them side by side, with torch.compile as the yardstick, in two workloads:

@@ -5,7 +5,7 @@
 One draw tells a bias from luck poorly: torch.compile's loss reads bf16-rounded logits, whose
 per-token errors (about 3e-2 nats RMS) are large but random, so their mean over N tokens lands
 anywhere within a few RMS / sqrt(N) of zero; ours reads the tensor cores' fp32 accumulation,
-whose per-token errors are 200x smaller but biased (docs/benchmarks/single_gpu_h100_202611.md).
+whose per-token errors are 200x smaller but biased (docs/benchmarks/single_gpu.md).
 This draws ``--seeds`` data sets per shape (scripts/bench_lce.py's ``make_inputs``) and prints
 each provider's signed relative error of the mean loss per draw, then the median of its size
 and the mean of its sign over the draws. Forward only: the loss is the same number either way.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The single-GPU evidence of docs/benchmarks/single_gpu_*.md, in named stages, on one H100 or
+# The single-GPU evidence of docs/benchmarks/single_gpu.md, in named stages, on one H100 or
 # H200 (the device tool's nvidia-h100-x1 / nvidia-h200), from the repository root:
 #
 #     bash scripts/gpu_single.sh RESULTS_DIR STAGE [STAGE ...]

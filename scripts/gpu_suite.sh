@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU evidence of docs/benchmarks/*_h200x4_*.md, in named stages, on one machine with
+# The multi-GPU evidence of docs/benchmarks/vocab_parallel.md and training_step.md, in named stages, on one machine with
 # 4 GPUs (the device tool's nvidia-h200-x4), from the repository root:
 #
 #     bash scripts/gpu_suite.sh RESULTS_DIR STAGE [STAGE ...]

@@ -10,7 +10,7 @@ a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it). "plain" c
 store the logits with no exponentials: what the same GEMM costs without its epilogue's work.
 The winner is what ``_CONFIGS["hopper"]`` should hold.
 
-On an H100 (2026-11-27, 7 rounds; docs/benchmarks/single_gpu_h100_202611.md)
+On an H100 (2026-11-27, 7 rounds; docs/benchmarks/single_gpu.md)
 the plain GEMM ran at 1.00-1.01x cuBLAS at the three widths, the default at 1.05-1.09x and the
 flattened tile loops at 1.02-1.07x. In the whole step the flattened loop was 2% faster at
 Gemma-2 N = 8192 on one machine, and within the noise (or 4% slower at Llama-3 N = 4096) on

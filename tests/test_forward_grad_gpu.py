@@ -71,7 +71,7 @@ def test_masked_none_loss_keeps_the_forward_gradients(dtype, walks, recwarn):
 def test_masked_none_loss_never_syncs_with_upstream_mismatch_nan(dtype, walks):
     """Megatron's masked loss with ``upstream_mismatch="nan"`` and ``check_targets=False`` (the
     adapter's call): neither its forward nor its backward waits for the GPU. A host sync a
-    micro-batch lengthened the TP4 training step (docs/benchmarks/megatron_h200x4_202611.md)."""
+    micro-batch lengthened the TP4 training step (docs/benchmarks/training_step.md)."""
     n, v, d = SHAPE
     hidden, weight, target, _ = make_problem(n, v, d, dtype, "peaked", seed=23)
     mask = (torch.arange(n) % 5 != 0).float().cuda()

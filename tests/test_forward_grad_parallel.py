@@ -120,7 +120,7 @@ def unequal_upstream_suite(rank: int, world: int, sequence_parallel: bool) -> li
     scale of its own partial sums to (as megatron's backward all-reduces the ranks' partials),
     with no recompute. A walk that summed the partials over the ranks in the forward, before
     the scales are known, would hold for one common scale only (docs/benchmarks/
-    vocab_parallel_h200x4_202611.md, 2026-11-27)."""
+    vocab_parallel.md, 2026-11-27)."""
     errors, recomputes = [], []
     engine.warn_recompute = lambda where: recomputes.append(where)
     hidden, weight, target, _ = _problem(torch.float32)

@@ -484,7 +484,7 @@ def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
 
 
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
-# (docs/benchmarks/single_gpu_h100_202611.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
+# (docs/benchmarks/single_gpu.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
 # two halves of the tile: 0.99-1.10x cuBLAS's plain GEMM, the best mean of seven variants (whole
 # epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep tiles in 2 stages were
 # 1.27-1.43x. The same GEMM storing plain logits runs at 1.00-1.01x cuBLAS (2026-11-27, commit

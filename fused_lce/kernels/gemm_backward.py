@@ -214,7 +214,7 @@ def grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap) -> torch.
     return kept.scaled
 
 
-# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu_h100_202611).
+# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md, CHANGELOG.md).
 _CONFIGS = {
     "interpreter": TileConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=1),
     "hopper": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),

@@ -206,7 +206,7 @@ def _lse_forward_kernel(
         tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
 
 
-# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu_h100_202611): the
+# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md, CHANGELOG.md): the
 # TMA kernel is best with four stages (82% of cuBLAS), the pointer kernel with three (71%).
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.

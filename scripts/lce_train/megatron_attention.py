@@ -3,7 +3,7 @@
 Without transformer-engine, megatron-core's local spec runs ``DotProductAttention``: it builds
 the (b, heads, s, s) scores, keeps their fp32 softmax for the backward and needs another fp32
 buffer of that size while it runs. At sequence 4096 that is most of a layer's activations, and
-it hides what the loss layer saves (docs/benchmarks/megatron_h200x4_202611.md). torch's SDPA
+it hides what the loss layer saves (docs/benchmarks/training_step.md). torch's SDPA
 picks a flash or memory-efficient kernel on the GPU (the math one on the CPU), which keeps no
 scores. It takes the same inputs and returns the same layout, so it drops into the spec:
 

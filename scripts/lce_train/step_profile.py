@@ -10,7 +10,7 @@ Each rank writes into ``--profile-dir``:
 
 Why a whole step: a loss layer that is faster alone can still lengthen the step, by host time
 spent between kernels or by a host read that drains the GPU's queue
-(docs/benchmarks/megatron_h200x4_202611.md, 2026-11-27).
+(docs/benchmarks/training_step.md, 2026-11-27).
 """
 
 from __future__ import annotations
