@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_lce import make_problem
+from helpers_parallel import run_on_ranks
 
 from fused_lce import linear_cross_entropy
 
@@ -43,12 +44,30 @@ def _unit_grads(path: str, dtype: torch.dtype, problem) -> list[torch.Tensor]:
     return _UNIT[path, dtype]
 
 
-def _grads(problem, scale, options):
+def _grads(problem, scale, options, loss_fn=linear_cross_entropy):
     hidden, weight, target, bias = problem
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    loss = linear_cross_entropy(*leaves[:2], target, leaves[2], reduction="sum", **options)
+    loss = loss_fn(*leaves[:2], target, leaves[2], reduction="sum", **options)
     (loss * scale).backward()
     return [leaf.grad.double() for leaf in leaves]
+
+
+def _check(dtype, scale, unit, ours, torch_scaled) -> list[str]:
+    """Each gradient finite wherever torch's is, and its least-squares ratio to ``scale`` times
+    the unit-scale gradient 1 within ``MAX_RATIO_ERROR``; the failures found."""
+    errors = []
+    largest = torch.finfo(dtype).max * (1 - 2.0**-8)
+    for name, ones, scaled, theirs in zip(("input", "weight", "bias"), unit, ours, torch_scaled):
+        expected = ones * scale
+        fits = (expected.abs() < largest) & theirs.isfinite()
+        if not scaled[fits].isfinite().all():
+            errors.append(f"{name}: non-finite where torch's is finite")
+        if name == "bias":
+            continue  # V entries, each a sum over tokens: too few for the ratio to settle
+        ratio = (scaled[fits] * expected[fits]).sum() / expected[fits].square().sum()
+        if abs(ratio.item() - 1) >= MAX_RATIO_ERROR:
+            errors.append(f"{name}: ratio {ratio.item():.6f}")
+    return errors
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -59,12 +78,40 @@ def test_scaled_gradients_are_unbiased_and_finite(path, dtype, scale):
     unit = _unit_grads(path, dtype, problem)
     scaled = _grads(problem, scale, PATHS[path])
     torch_scaled = _grads(problem, scale, {"impl": "torch"})
-    largest = torch.finfo(dtype).max * (1 - 2.0**-8)
-    for name, ones, ours, theirs in zip(("input", "weight", "bias"), unit, scaled, torch_scaled):
-        expected = ones * scale
-        fits = (expected.abs() < largest) & theirs.isfinite()
-        assert ours[fits].isfinite().all(), f"{name}: non-finite where torch's is finite"
-        if name == "bias":
-            continue  # V entries, each a sum over tokens: too few for the ratio to settle
-        ratio = (ours[fits] * expected[fits]).sum() / expected[fits].square().sum()
-        assert abs(ratio.item() - 1) < MAX_RATIO_ERROR, f"{name}: ratio {ratio.item():.6f}"
+    errors = _check(dtype, scale, unit, scaled, torch_scaled)
+    assert not errors, "\n".join(errors)
+
+
+# The vocab-parallel layer: each rank's shard scales its own stored gradients, and the input
+# gradient is summed across ranks after the scale.
+TP_PATHS = {
+    "cce-default": dict(impl="cce"),
+    "cce-gemm": dict(impl="cce", backward="gemm"),
+    "chunked": dict(impl="chunked", vocab_chunk_size=64),
+}
+TP_SCALES = [1 / 3, 2.0**16]
+
+
+def tensor_parallel_suite(rank: int, world: int) -> list[str]:
+    from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    errors = []
+    rows = -(-V // world)
+    shard = slice(rank * rows, min(V, (rank + 1) * rows))  # uneven: V is odd
+    for dtype in (torch.bfloat16, torch.float16):
+        hidden, weight, target, bias = make_problem(N, V, D, dtype, "peaked", seed=31, bias=True)
+        mine = (hidden, weight[shard], target, bias[shard])
+        for scale in TP_SCALES:
+            torch_scaled = _grads((hidden, weight, target, bias), scale, {"impl": "torch"})
+            torch_scaled = [torch_scaled[0], torch_scaled[1][shard], torch_scaled[2][shard]]
+            for path, options in TP_PATHS.items():
+                unit = _grads(mine, 1.0, options, vocab_parallel_linear_cross_entropy)
+                ours = _grads(mine, scale, options, vocab_parallel_linear_cross_entropy)
+                errors += [f"rank {rank} {path} {dtype} scale {scale:g}: {e}"
+                           for e in _check(dtype, scale, unit, ours, torch_scaled)]
+    return errors
+
+
+@pytest.mark.timeout(600)
+def test_scaled_gradients_are_unbiased_and_finite_across_two_ranks(tmp_path):
+    run_on_ranks(2, tensor_parallel_suite, out_dir=tmp_path, timeout_s=300)
