@@ -1,5 +1,5 @@
 """The project speaks of itself: its pages, comments and docstrings never point at a work session
-("the fourth session", "this session"), an issue or an item by number ("issue 17", "item 4").
+by its ordinal or at an issue or an item by its number (``HISTORY_WORDS`` spells the patterns).
 A reader cannot resolve those; the reason, a date or a commit can be read.
 
 The scan reads README.md, every docs/**/*.md and every *.py under fused_lce/, parallel/, scripts/
