@@ -32,10 +32,11 @@ from .checks import (  # noqa: F401
     resolve_impl,
     validate,
 )
-from .engine import single_device_loss
-from .options import LCEOptions, without_backward_options
+from .engine import LCEFunction, ShardCall, ShardStrategy
+from .options import LCEOptions, refuse_renamed, refusing_renamed, without_backward_options
 
 
+@refusing_renamed
 def linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -55,7 +56,7 @@ def linear_cross_entropy(
     vocab_sort: bool = True,
     deterministic: bool = False,
     round_logits: bool = False,
-    recompute_logits: bool = True,
+    keep_logits: bool = False,
     fp32_weight_grad: bool = True,
     upstream_mismatch: str = "auto",
     chunk_by: str = "vocab",
@@ -96,9 +97,8 @@ def linear_cross_entropy(
         round_logits: cce: round each bf16 logit to bf16 before the softmax, as a layer that
             stores bf16 logits does (off: exact fp32 logits). fp16 logits are always rounded
             to fp16, so a logit past 65504 gives a non-finite loss on every path, as in torch.
-        recompute_logits: cce: False keeps the logits (as 16-bit exponentials, N x V) from the
-            forward so the backward skips recomputing them: faster, at a bf16 logits tensor's
-            memory.
+        keep_logits: cce: keep the logits (as 16-bit exponentials, N x V) from the forward so
+            the backward skips recomputing them: faster, at a bf16 logits tensor's memory.
         fp32_weight_grad: cce, gradient-in-forward backward: sum the weight gradient over
             token chunks in fp32 (False: in the weight's dtype, one rounding a chunk, as Liger
             does, so a tight ``scratch_mb`` needs no fp32 accumulator).
@@ -144,7 +144,7 @@ def linear_cross_entropy(
             reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
             num_classes=num_classes, backward=backward, filter_eps=filter_eps,
             vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
-            recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
+            keep_logits=keep_logits, fp32_weight_grad=fp32_weight_grad,
             upstream_mismatch=upstream_mismatch, impl=impl, chunk_by=chunk_by,
             vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size,
             scratch_mb=scratch_mb, tma=tma, cuda_graphs=cuda_graphs)
@@ -163,7 +163,7 @@ def linear_cross_entropy(
         vocab_sort=vocab_sort,
         deterministic=deterministic,
         round_logits=round_logits,
-        recompute_logits=recompute_logits,
+        keep_logits=keep_logits,
         fp32_weight_grad=fp32_weight_grad,
         upstream_mismatch=upstream_mismatch,
         impl=impl,
@@ -187,6 +187,7 @@ class LinearCrossEntropy(nn.Module):
 
     def __init__(self, **options) -> None:
         super().__init__()
+        refuse_renamed(options)
         self.return_lse = options.pop("return_lse", False)
         self.check_targets = options.pop("check_targets", True)
         check_flag("return_lse", self.return_lse)
@@ -277,7 +278,7 @@ def _run(input, weight, target, bias, opts: LCEOptions, check_targets: bool,
 # words (strings, flags) and as typed numbers: under dynamic shapes Dynamo may trace a number
 # symbolically, and cannot then spell it.
 
-_WORDS = ("reduction", "backward", "filter_eps", "vocab_sort", "round_logits", "recompute_logits",
+_WORDS = ("reduction", "backward", "filter_eps", "vocab_sort", "round_logits", "keep_logits",
           "fp32_weight_grad", "upstream_mismatch", "deterministic", "impl", "chunk_by", "tma",
           "cuda_graphs")
 _NUMBERS = ("ignore_index", "label_smoothing", "softcap", "z_loss", "num_classes", "filter_eps",
@@ -397,3 +398,31 @@ def _compiled_loss_grad(ctx, grad_loss, grad_lse):
 
 
 _compiled_loss.register_autograd(_compiled_loss_grad, setup_context=_setup_compiled_loss)
+
+
+def single_device_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LCEOptions,
+    strategy: ShardStrategy,
+    *,
+    caller: str,
+    loss_mask: torch.Tensor | None = None,
+    check_targets: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device.
+    ``check_targets``: check them on the device (fused_lce/faults.py); ``caller``: what the
+    errors name."""
+    if opts.num_classes is not None:
+        # Autograd of the slice gives the padding rows their zero gradient.
+        weight = weight[: opts.num_classes]
+        bias = None if bias is None else bias[: opts.num_classes]
+    n_classes = weight.shape[0]
+    call = ShardCall(opts, strategy, vocab_start=0, local_classes=n_classes,
+                     num_classes=n_classes,
+                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
+                     check_targets=check_targets, caller=caller,
+                     grad_enabled=torch.is_grad_enabled())
+    return LCEFunction.apply(hidden, weight, bias, target, call)

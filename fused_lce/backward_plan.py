@@ -1,9 +1,10 @@
-"""Host-side planning of the cce backward: which backward runs, and how the GEMM one spends its
-budget.
+"""Host-side planning of the cce backward that recomputes the logits (where the gradients were not
+computed in the forward): which one runs, and how the GEMM one spends its budget.
 
-The options pick the backward ("gemm" or "tiles"), whether the forward keeps its logits for it,
-and how the tiles backward filters and orders the vocabulary. For one call of the GEMM backward
-(kernels/gemm_backward.py's ``lce_backward_gemm``) ``plan_gemm_backward`` then names its strategy:
+The options pick that backward (``recomputing_backward``: "gemm" or "tiles"), whether the forward
+keeps its logits for it, and how the tiles backward filters and orders the vocabulary. For one
+call of the GEMM backward (kernels/gemm_backward.py's ``lce_backward_gemm``)
+``plan_gemm_backward`` then names its strategy:
 
 - "kept": G is formed in the forward's kept logits, no logit is recomputed;
 - "borrowed": the buffers live in the weight gradient's own storage (a ``WeightBufferLayout``);
@@ -31,15 +32,17 @@ from .options import LCEOptions
 _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 
 
-def backward_path(opts: LCEOptions) -> str:
-    """The recomputing backward: "auto" and "in_forward" (where its gradients do not apply) take
-    the gemm one."""
-    return "gemm" if opts.backward in ("auto", "in_forward") else opts.backward
+def recomputing_backward(opts: LCEOptions) -> Literal["gemm", "tiles"]:
+    """The backward that recomputes the logits: "tiles" where asked, else "gemm". The default
+    ("auto") and "in_forward" compute the gradients in the forward and take this backward only
+    where that walk does not apply (``forward_grad.plan_forward_gradients`` gives no plan, or
+    the upstream gradient is not the assumed one): "gemm" is not what a default call runs."""
+    return "tiles" if opts.backward == "tiles" else "gemm"
 
 
 def keeps_logits(opts: LCEOptions) -> bool:
-    """Whether the forward keeps its logits for the backward (LCEOptions.recompute_logits)."""
-    return not opts.recompute_logits and backward_path(opts) == "gemm"
+    """Whether the forward keeps its logits for the backward (LCEOptions.keep_logits)."""
+    return opts.keep_logits and recomputing_backward(opts) == "gemm"
 
 
 def filter_settings(
@@ -62,7 +65,7 @@ def filter_settings(
 
 def use_vocab_sort(opts: LCEOptions, filter_code: int) -> bool:
     return (
-        backward_path(opts) == "tiles"
+        recomputing_backward(opts) == "tiles"
         and opts.vocab_sort
         and filter_code != FILTER_OFF
         and not opts.deterministic

@@ -42,9 +42,9 @@ from .engine import (
     compute_dtype,
 )
 from .forward_grad import ForwardGradPlan
-from .kernels.products import accumulate_mm, mm_into, scale_in_fp32_
-from .kernels.softmax_merge import merge_partials, softmax_shift
+from .fp32_products import accumulate_mm, mm_into, scale_in_fp32_
 from .options import LCEOptions
+from .softmax_merge import merge_partials, softmax_shift
 from .terms import GradCoefficients
 
 

@@ -31,9 +31,17 @@ from .forward_grad import (
     upstream_scale,
     warn_recompute,
 )
-from .kernels.products import scale_in_fp32_
-from .kernels.softmax_merge import softmax_shift
+from .fp32_products import scale_in_fp32_
 from .options import LCEOptions
+from .softmax_merge import softmax_shift
+from .stored_gradients import (
+    main_grad_protocol,
+    pad_rows,
+    scale_stored_gradients,
+    scaled_gradients,
+    verdict_stays_on_device,
+    with_main_grad,
+)
 from .terms import (
     GradCoefficients,
     grad_coefficients,
@@ -106,11 +114,11 @@ class ShardCall:
     the others."""
 
     opts: LCEOptions
-    strategy: Any  # a ShardStrategy, the same on every rank (a rank without classes: EmptyShard)
+    strategy: ShardStrategy  # the same on every rank (a rank without classes: EmptyShard)
     vocab_start: int
     local_classes: int  # real classes in this shard (rows past it are vocabulary padding)
     num_classes: int  # classes over every shard
-    reducer: Any = LOCAL  # a ShardReducer
+    reducer: ShardReducer = LOCAL
     weight_grad_accumulator: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
     # Check the targets against [0, num_classes) on the device (fused_lce/faults.py).
@@ -286,7 +294,7 @@ def global_statistics(stats: ShardStatistics, reducer) -> ShardStatistics:
     """The statistics over every shard: one MAX for the shift, one SUM for what adds up."""
     if reducer.world_size == 1:
         return stats
-    # merge_partials across ranks: the MAX collective, then terms.softmax_shift's rule.
+    # softmax_merge.merge_partials across ranks: the MAX collective, then softmax_shift's rule.
     shift = softmax_shift(reducer.all_reduce_max_(stats.row_max.clone()))
     packed = [stats.sum_exp * torch.exp(stats.row_max - shift), stats.target_logit]
     if stats.row_sum is not None:
@@ -374,30 +382,48 @@ class LCEFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
             return None, None, None, None, None
-        valid = target != opts.ignore_index
         if ctx.forward_grads is not None:
             grads, ctx.forward_grads = ctx.forward_grads, None
+            if grad_lse is None and grad_loss is not None and verdict_stays_on_device(opts):
+                # Only what the backward graph reads: a capture must not keep the call alive.
+                strategy, assumed, fault = ctx.strategy, ctx.assumed, ctx.fault
+                like_input = (input.dtype, input.shape)
+
+                def scaled(grad_loss, target=target):
+                    return scale_stored_gradients(call, strategy, grads, assumed, fault, target,
+                                                  grad_loss, like_input, weight, bias, needs)
+
+                out = None
+                if ctx.lease is not None:
+                    # A replayed forward: its backward replays too, reading the slot's static
+                    # target (fused_lce/graphs.py).
+                    slot = ctx.lease.slot
+                    key = (graphs.tensor_key(grad_loss), needs,
+                           graphs.tensor_key(call.weight_grad_accumulator, address=True))
+                    out = slot.backward(key, (grad_loss,),
+                                        lambda grad_loss: scaled(grad_loss, slot.static[1]))
+                if out is None:
+                    out = scaled(grad_loss)
+                return (*with_main_grad(ctx, out, weight, needs), None, None)
+            valid = target != opts.ignore_index
             scale, mismatch = upstream_scale(grad_loss, grad_lse, ctx.assumed, valid,
                                              opts.reduction)
             if mismatch is not None:
                 # Every rank must take the same path (the two differ in their collectives): the
-                # ranks' verdicts are combined on the device, then read once (one host sync,
-                # "recompute") or left to the device.
+                # ranks' verdicts are combined on the device, then read once (one host sync).
                 if call.reducer.world_size > 1:
                     mismatch = call.reducer.all_reduce_max_(mismatch)
-                if opts.upstream_mismatch == "recompute":
-                    if mismatch_found(mismatch):
-                        scale = None
-                else:
-                    scale = poisoned_scale(scale, mismatch)
-                    faults.record_mismatch(mismatch)
+                if mismatch_found(mismatch):
+                    scale = None
             if scale is not None and ctx.fault is not None:
                 scale = poisoned_scale(scale, ctx.fault)
             if scale is not None:
-                return (*_scaled_gradients(ctx, grads, scale, input, weight, bias, needs),
-                        None, None)
+                out = scaled_gradients(call, ctx.strategy, grads, scale,
+                                        (input.dtype, input.shape), weight, bias, needs)
+                return (*with_main_grad(ctx, out, weight, needs), None, None)
             warn_recompute(call.caller)
             del grads
+        valid = target != opts.ignore_index
         hidden = call.reducer.gather_input(input)
         n_rows = hidden.shape[0]
         zero = torch.zeros_like(lse)
@@ -428,7 +454,7 @@ class LCEFunction(torch.autograd.Function):
         if needs[1] and accumulator is None:
             d_weight = pad_rows(d_shard_w, weight)
         elif needs[1]:
-            d_weight = _main_grad_protocol(ctx.weight_param, weight)
+            d_weight = main_grad_protocol(ctx.weight_param, weight)
         d_bias = pad_rows(d_shard_b, bias) if needs[2] and bias is not None else None
         return d_input, d_weight, d_bias, None, None
 
@@ -501,34 +527,6 @@ def _graph_key(call: ShardCall, input, weight, bias, target, needs) -> tuple:
     )
 
 
-def single_device_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    opts: LCEOptions,
-    strategy: ShardStrategy,
-    *,
-    caller: str,
-    loss_mask: torch.Tensor | None = None,
-    check_targets: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) of hidden (N, D) against the whole weight (V, D) on one device.
-    ``check_targets``: check them on the device (fused_lce/faults.py); ``caller``: what the
-    errors name."""
-    if opts.num_classes is not None:
-        # Autograd of the slice gives the padding rows their zero gradient.
-        weight = weight[: opts.num_classes]
-        bias = None if bias is None else bias[: opts.num_classes]
-    n_classes = weight.shape[0]
-    call = ShardCall(opts, strategy, vocab_start=0, local_classes=n_classes,
-                     num_classes=n_classes,
-                     loss_mask=None if loss_mask is None else loss_mask.reshape(-1),
-                     check_targets=check_targets, caller=caller,
-                     grad_enabled=torch.is_grad_enabled())
-    return LCEFunction.apply(hidden, weight, bias, target, call)
-
-
 def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
     """Partial input gradients are summed across ranks in fp32 (fp64 for fp64 inputs); alone, a
     rank's is the answer."""
@@ -598,45 +596,3 @@ def _check_targets(target: torch.Tensor, call: ShardCall) -> torch.Tensor:
         extremes = call.reducer.all_reduce_max_(extremes)
     return faults.record_bad_targets(extremes, call.num_classes, call.opts.ignore_index,
                                      call.caller)
-
-
-def _scaled_gradients(ctx, grads, scale, input, weight, bias, needs):
-    """The forward's gradients times the upstream ``scale`` (a device scalar, read by the kernels,
-    never by the host), as the recompute path returns them."""
-    call: ShardCall = ctx.call
-    d_hidden, d_shard_w, d_shard_b = grads
-    d_input = None
-    if needs[0]:
-        d_hidden = ctx.strategy.scale_(d_hidden, scale)
-        d_input = call.reducer.reduce_input_grad(d_hidden).to(input.dtype).reshape(input.shape)
-    d_weight = None
-    accumulator = call.weight_grad_accumulator
-    if needs[1] and accumulator is None:
-        d_weight = pad_rows(ctx.strategy.scale_(d_shard_w, scale), weight)
-    elif needs[1]:
-        accumulator[: call.local_classes].addcmul_(d_shard_w, scale)
-        d_weight = _main_grad_protocol(ctx.weight_param, weight)
-    d_bias = None
-    if needs[2] and bias is not None:
-        d_bias = pad_rows(ctx.strategy.scale_(d_shard_b, scale), bias)
-    return d_input, d_weight, d_bias
-
-
-def _main_grad_protocol(weight_param, weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight's gradient once it went into the accumulator."""
-    if hasattr(weight_param, "grad_added_to_main_grad"):
-        # Megatron's protocol (tensor_parallel/layers.py): the real gradient is in main_grad
-        # already; a dummy one lets its gradient hooks run, the flag tells them to skip it.
-        weight_param.grad_added_to_main_grad = True
-        return torch.empty_like(weight)
-    return None
-
-
-def pad_rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The shard's gradient with zero rows for vocabulary padding past the real classes."""
-    if grad is not None and grad.shape[0] == like.shape[0]:
-        return grad.to(like.dtype)
-    out = torch.zeros_like(like)
-    if grad is not None:
-        out[: grad.shape[0]] = grad
-    return out

@@ -87,7 +87,7 @@ def plan_forward_gradients(
     accumulator, and below ``MIN_CHUNK_ROWS`` rows of it the recompute backward (whose buffers
     fit any budget) runs.
     """
-    if opts.backward not in ("auto", "in_forward") or not opts.recompute_logits or n_rows == 0:
+    if opts.backward not in ("auto", "in_forward") or opts.keep_logits or n_rows == 0:
         return None
     row_bytes = max(weight_rows, 1) * elem_bytes
     if opts.token_chunk_explicit:

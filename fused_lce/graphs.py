@@ -24,6 +24,12 @@ What the replay writes lives in the graph's private memory until the next replay
   still references (torch's use counts of each tensor and its memory, read on the host) is
   not replayed.
 
+The backward's own device work (the upstream gradient's scale and its check against the one
+the forward assumed, the ranks' verdict combined, the gradients scaled and reduced: some 25
+launches) is a graph of the slot as well, keyed by the upstream gradient's layout and captured
+at the slot's second backward; its static input is the upstream gradient, its outputs join the
+slot's.
+
 A forward that finds no free slot (several micro-batches in flight, a kept gradient) takes
 another, up to ``MAX_SLOTS``, each its own capture and memory, and past them runs eagerly.
 
@@ -47,26 +53,78 @@ EAGER_CALLS = 1
 MAX_SLOTS = 2
 # Keys kept at once; each captured one holds a chunk buffer and its gradients.
 MAX_KEYS = 4
+# Backward graphs a slot keeps (one per layout of the upstream gradient).
+MAX_BACKWARDS = 2
 
 
 class Slot:
-    """One capture: its graph, what its replay writes, and how many references each output
-    tensor and its memory had when nobody but the slot held them."""
+    """One capture: its graph, what its replay writes, the backward graphs that scale what it
+    wrote, and how many references each output tensor and its memory had when nobody but the
+    slot held them."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any):
-        self.graph, self.outputs, self.leased = graph, outputs, False
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, static: tuple):
+        self.graph, self.outputs, self.static, self.leased = graph, outputs, static, False
         self.tensors = list(_tensors(outputs))
-        self.alone = self._references()
-
-    def _references(self) -> list[tuple[int, int]]:
-        return [(x._use_count(), torch._C._storage_Use_Count(x.untyped_storage()._cdata))
-                for x in self.tensors]
+        self.alone = [_references(x) for x in self.tensors]
+        # Backward graphs by key: (graph, static upstream gradients, outputs).
+        self.backwards: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple, Any]] = {}
+        self.backward_calls = 0
+        self.backward_failed = False
 
     @property
     def free(self) -> bool:
         """Whether a replay may rewrite the outputs: no backward pending and no gradient the
         backward returned still held (autograd may keep one as a leaf's ``.grad``)."""
-        return not self.leased and self._references() == self.alone
+        return not self.leased and [_references(x) for x in self.tensors] == self.alone
+
+    def backward(self, key: tuple, given: tuple[torch.Tensor, ...],
+                 walk: Callable[..., Any]) -> Any | None:
+        """``walk(*static copies of given)``'s outputs, replayed from the key's backward graph
+        (captured at the slot's second backward, the first having compiled its kernels), or
+        None: run it eagerly."""
+        self.backward_calls += 1
+        entry = self.backwards.get(key)
+        if entry is None:
+            if (self.backward_failed or self.backward_calls <= EAGER_CALLS
+                    or len(self.backwards) >= MAX_BACKWARDS):
+                return None
+            static = tuple(torch.zeros_like(x) for x in given)
+            _copy_into(static, given)
+            try:
+                graph, outputs = record(walk, static)
+            except Exception as exc:  # noqa: BLE001 - any failure: backwards run eagerly
+                self.backward_failed = True
+                warnings.warn(f"fused_lce: capturing the training backward failed ({exc!r}); "
+                              "it runs without its CUDA graph", stacklevel=4)
+                return None
+            entry = self.backwards[key] = (graph, static, outputs)
+            self._track(outputs)
+        else:
+            _copy_into(entry[1], given)
+        graph, _, outputs = entry
+        graph.replay()
+        return outputs
+
+    def _track(self, outputs: Any) -> None:
+        """Count the backward graph's outputs among the slot's tensors. One that is a view of
+        a tensor counted already holds that memory, and the tensor it views, once more for as
+        long as the slot keeps it: their counts when nobody else holds them rise by one."""
+        counted = len(self.tensors)
+        for tensor in _tensors(outputs):
+            if any(tensor is known for known in self.tensors):
+                continue
+            memory = tensor.untyped_storage().data_ptr()
+            for i, known in enumerate(self.tensors[:counted]):
+                if tensor.numel() and known.untyped_storage().data_ptr() == memory:
+                    viewed = int(tensor._base is known)
+                    self.alone[i] = (self.alone[i][0] + viewed, self.alone[i][1] + 1)
+            self.tensors.append(tensor)
+            self.alone.append(_references(tensor))
+
+
+def _references(tensor: torch.Tensor) -> tuple[int, int]:
+    """(references to the tensor, references to its memory), as torch counts them."""
+    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 def _tensors(value: Any):
@@ -93,17 +151,17 @@ class Lease:
 
 
 class CapturedWalk:
-    """One key: how many calls it saw, its static inputs and its slots."""
+    """One key: how many calls it saw and its slots."""
 
     def __init__(self):
         self.calls = 0
-        self.static: tuple[torch.Tensor | None, ...] | None = None
         self.slots: list[Slot] = []
         self.failed = False
 
     def run(self, inputs: tuple[torch.Tensor | None, ...],
             walk: Callable[..., Any]) -> tuple[Any, Lease] | None:
-        """(``walk(*static inputs)``'s outputs, their lease), or None: run it eagerly."""
+        """(``walk(*static copies of inputs)``'s outputs, their lease), or None: run it
+        eagerly."""
         self.calls += 1
         if self.failed or self.calls <= EAGER_CALLS:
             return None
@@ -111,26 +169,27 @@ class CapturedWalk:
         if slot is None:
             if len(self.slots) >= MAX_SLOTS:
                 return None
-            slot = self._capture(inputs, walk)
+            # Each slot its own static inputs: its backward graph reads the target while
+            # another slot's forward replays.
+            static = tuple(None if x is None else torch.zeros_like(x) for x in inputs)
+            _copy_into(static, inputs)
+            slot = self._capture(static, walk)
             if slot is None:
                 return None
-        for static, given in zip(self.static, inputs):
-            if static is not None:
-                static.copy_(given)
+        else:
+            _copy_into(slot.static, inputs)
         slot.graph.replay()
         return slot.outputs, Lease(slot)
 
-    def _capture(self, inputs, walk) -> Slot | None:
-        if self.static is None:
-            self.static = tuple(None if x is None else torch.zeros_like(x) for x in inputs)
+    def _capture(self, static, walk) -> Slot | None:
         try:
-            graph, outputs = record(walk, self.static)
+            graph, outputs = record(walk, static)
         except Exception as exc:  # noqa: BLE001 - any failure: this key runs eagerly from now
             self.failed = True
             warnings.warn(f"fused_lce: capturing the training forward failed ({exc!r}); this "
                           "shape runs without its CUDA graph", stacklevel=4)
             return None
-        slot = Slot(graph, outputs)
+        slot = Slot(graph, outputs, static)
         self.slots.append(slot)
         return slot
 
@@ -139,9 +198,15 @@ class CapturedWalk:
         return any(slot.leased for slot in self.slots)
 
 
+def _copy_into(static: tuple, given: tuple) -> None:
+    for target, value in zip(static, given):
+        if target is not None:
+            target.copy_(value)
+
+
 def record(walk: Callable[..., Any], static: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
     """(a CUDA graph of ``walk(*static)``, the outputs its replays write), captured on a side
-    stream. Nothing runs: the caller replays."""
+    stream. Nothing runs: the caller, having filled ``static``, replays."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
     stream = _capture_stream(current.device)

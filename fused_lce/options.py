@@ -16,8 +16,10 @@ tokens, as torch does (all tokens ignored gives NaN, as in torch).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Literal
 
@@ -35,7 +37,10 @@ IMPLS = ("auto", "cce", "chunked", "torch")
 CHUNK_BY = ("vocab", "tokens")
 BACKWARDS = ("auto", "in_forward", "gemm", "tiles")
 UPSTREAM_MISMATCHES = ("auto", "recompute", "nan")
-RENAMED_BACKWARDS = {"forward": "in_forward"}  # renamed in 2026-11: refused, the new name given
+# Spellings renamed in 2026-11, refused with what to pass instead: a silent rename would turn an
+# old call's option into a TypeError that does not say where it went.
+RENAMED_BACKWARDS = {"forward": "in_forward"}
+RENAMED_OPTIONS = {"recompute_logits": "keep_logits=not recompute_logits"}
 
 # Environment variables that size the chunked paths and the cce scratch buffers (docs/algorithm.md,
 # the options table).
@@ -122,8 +127,8 @@ class LCEOptions:
     is not the one it assumed). "gemm" recomputes logit-gradient chunks in the backward that
     cuBLAS GEMMs consume (four GEMMs, buffers within ``scratch_mb``, no atomics); "tiles" is
     the fused tile kernel of the paper (atomics, gradient filtering, vocab sorting). "auto"
-    picks forward, or gemm where an explicit ``scratch_mb`` cannot hold 1024 tokens' logits
-    (the lean mode) or ``recompute_logits=False`` (docs/algorithm.md)."""
+    picks in_forward, or gemm where an explicit ``scratch_mb`` cannot hold 1024 tokens' logits
+    (the lean mode) or ``keep_logits=True`` (docs/algorithm.md)."""
     filter_eps: FilterSpec = "safe"
     """Gradient filtering in the tiles backward (docs/algorithm.md):
     "safe" skips a tile only if each of its rows holds less than eps * BLOCK_V / V of softmax
@@ -142,9 +147,9 @@ class LCEOptions:
     logits are always rounded to fp16, on every path, in training and in evaluation alike
     (``rounds_logits``): a logit past fp16's 65504 is then inf and the loss not finite, as in
     torch, rather than finite on some paths only."""
-    recompute_logits: bool = True
-    """cce, gemm backward: False keeps every logit from the forward, as exp(logit - running max)
-    in 16 bits (2 bytes a logit, N x V, plus an fp32 max per row and 256 columns), so the backward
+    keep_logits: bool = False
+    """cce, gemm backward: keep every logit from the forward, as exp(logit - running max) in
+    16 bits (2 bytes a logit, N x V, plus an fp32 max per row and 256 columns), so the backward
     skips recomputing them: one GEMM of the four fewer, at the memory of a bf16 logits tensor,
     held from the forward to the backward. Faster where the GEMMs dominate (large D); it gives
     up the memory saving that is the point of the op. The chunked and torch impls ignore it."""
@@ -254,13 +259,13 @@ class LCEOptions:
                     raise TypeError(f"{name} must be a positive int or None, got {value!r}")
                 if value <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
-        for name in ("vocab_sort", "deterministic", "round_logits", "recompute_logits",
+        for name in ("vocab_sort", "deterministic", "round_logits", "keep_logits",
                      "fp32_weight_grad", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not self.recompute_logits and self.backward in ("tiles", "in_forward"):
+        if self.keep_logits and self.backward in ("tiles", "in_forward"):
             raise ValueError(
-                "recompute_logits=False needs backward='gemm' or 'auto' (it keeps the logits "
+                "keep_logits=True needs backward='gemm' or 'auto' (it keeps the logits "
                 f"for the gemm backward), got backward={self.backward!r}"
             )
         if self.scratch_mb is not None:
@@ -334,16 +339,36 @@ def user_fields() -> tuple[Field, ...]:
     return tuple(f for f in fields(LCEOptions) if f.metadata.get("user", True))
 
 
+def refuse_renamed(options: Mapping[str, object]) -> None:
+    """Raise TypeError where ``options`` (keyword arguments) holds a renamed option, naming what
+    to pass instead (``RENAMED_OPTIONS``)."""
+    for old, new in RENAMED_OPTIONS.items():
+        if old in options:
+            raise TypeError(f"{old} was renamed: pass {new}")
+
+
+def refusing_renamed(function):
+    """``function``, raising ``refuse_renamed``'s TypeError for a renamed keyword instead of
+    Python's "unexpected keyword argument", which would not say what replaced it."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        refuse_renamed(kwargs)
+        return function(*args, **kwargs)
+
+    return call
+
+
 def without_backward_options(opts: LCEOptions, *inputs: torch.Tensor | None) -> LCEOptions:
     """``opts``, minus what only a backward uses when none will run (no grad mode, or no input
     that wants a gradient): an evaluation pass keeps no logits. It computes its statistics with
     the kernels training uses under ``opts`` (the gradient-in-forward walk, or the statistics
     kernel of the recomputing backwards), so train and eval losses are the same numbers."""
     wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if wanted or opts.recompute_logits:
+    if wanted or not opts.keep_logits:
         return opts
     # Kept logits feed only the gemm backward; its forward's statistics are the same kernel's.
-    return replace(opts, recompute_logits=True, backward="gemm")
+    return replace(opts, keep_logits=False, backward="gemm")
 
 
 def _check_float(name: str, value: object) -> None:

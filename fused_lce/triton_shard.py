@@ -19,28 +19,21 @@ from dataclasses import dataclass
 import torch
 
 from .backward_plan import (
-    backward_path,
     filter_settings,
     keeps_logits,
     plan_gemm_backward_for,
+    recomputing_backward,
     use_vocab_sort,
 )
 from .engine import ShardGradRequest, ShardInputs, ShardStatistics
 from .forward_grad import ForwardGradPlan, plan_forward_gradients
+from .fp32_products import accumulate_mm, accumulate_mv, mm_into
 from .kernels.common import INTERPRET
-from .kernels.exp_logits import (
-    add_target_rows,
-    exp_logits,
-    finish_input_grad,
-    partial_count,
-    repair_exponentials,
-    row_scales,
-    target_logits,
-)
+from .kernels.exp_logits import exp_logits, partial_count, repair_exponentials, target_logits
+from .kernels.exp_logits_grad import add_target_rows, finish_input_grad, row_scales
 from .kernels.gemm_backward import lce_backward_gemm
 from .kernels.logit_rows import grad_in_place, row_statistics
 from .kernels.lse_forward import KeptLogits, LSEStats, lse_forward
-from .kernels.products import accumulate_mm, accumulate_mv, mm_into
 from .kernels.scale import scale_unless_one_
 from .kernels.tiles_backward import lce_backward
 from .options import LCEOptions
@@ -137,7 +130,7 @@ def shard_backward(
     shared = dict(softcap=opts.softcap, want_hidden=needs[0], want_weight=needs[1],
                   want_bias=needs[2], d_hidden_dtype=d_hidden_dtype,
                   round_16bit=opts.rounds_logits(hidden.dtype))
-    if backward_path(opts) == "gemm":
+    if recomputing_backward(opts) == "gemm":
         plan = plan_gemm_backward_for(
             hidden, weight, bias, scratch_bytes=opts.scratch_bytes, want_hidden=needs[0],
             want_weight=needs[1], want_bias=needs[2],

@@ -55,7 +55,8 @@ eight times a step (docs/benchmarks/training_step.md).
 
 What is cached: the gloo group per set of ranks and, with ``every_call=False``, the last agreed
 call per group, nothing else. Measured with
-scripts/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other jobs, so
+scripts/studies/bench_agreement.py --cpu-smoke (gloo, TP 2, a 2-core machine shared with other
+jobs, so
 upper bounds): the first call 1-3 ms, later calls 0.3-0.6 ms, of which ~25 us is Python
 (describing and hashing the call) and the rest the loopback all-gather (two processes meeting
 on two busy cores); the layer's step at a tiny shape, timed in turn with the check stubbed
@@ -69,9 +70,6 @@ Where that does not hold (a member never calls, or its host blocks first in some
 has not reached: making a group every rank must enter, a gloo collective of another group, this
 layer on another group in another order), every member that came raises comm.HostGroupError
 after the group's timeout.
-
-``debug=True`` of the layer, once an opt-in all-gather of shapes, is folded into this check,
-which is always on; the argument is accepted and does nothing.
 """
 
 from __future__ import annotations

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 CCE_CHOICES = ("cce", "linear")
 """The ``--cross-entropy-fusion-impl`` values that select our op."""
 ADAPTER_OPTIONS = ("softcap", "z_loss", "label_smoothing", "impl", "backward", "filter_eps",
-                   "scratch_mb", "deterministic", "round_logits", "recompute_logits",
+                   "scratch_mb", "deterministic", "round_logits", "keep_logits",
                    "fp32_weight_grad", "upstream_mismatch", "cuda_graphs", "vocab_size")
 """The options the adapter passes to the op: LCEOptions fields, and ``vocab_size``, an argument of
 the vocab-parallel layer rather than a field, so it has no flag."""
 
 CCE_FLAG_PREFIX = "cce_"
 _OFF = "none"  # a flag's explicit None ("off"), told apart from "not given" (None)
-_FLAG_ALIASES = {"recompute_logits": ("--cce-keep-logits",)}
 
 
 def add_arguments(parser):
@@ -65,7 +64,7 @@ def extra_args_provider(parser):
 
 def cce_flag(name: str) -> str:
     """The command-line flag of option ``name``: ``--cce-z-loss`` for ``z_loss``; for a bool
-    that is on by default, the flag that turns it off (``--cce-no-recompute-logits``)."""
+    that is on by default, the flag that turns it off (``--cce-no-fp32-weight-grad``)."""
     option = _option_fields()[name]
     negate = option.type is bool and option.default is True
     return "--cce-" + ("no-" if negate else "") + name.replace("_", "-")
@@ -77,8 +76,7 @@ def add_cce_arguments(parser: argparse.ArgumentParser, title: str | None = None)
     Each flag's type, choices and help come from the :class:`~fused_lce.options.LCEOptions`
     field of the same name. Every flag defaults to "not given" (the op's own default applies);
     a bool that is off by default is switched on by its flag, one that is on by default is
-    switched off (``--cce-no-recompute-logits``, alias ``--cce-keep-logits``). Adding twice is
-    harmless.
+    switched off (``--cce-no-fp32-weight-grad``). Adding twice is harmless.
     """
     if any(CCE_FLAG_PREFIX + "impl" == action.dest for action in parser._actions):
         return parser
@@ -87,17 +85,16 @@ def add_cce_arguments(parser: argparse.ArgumentParser, title: str | None = None)
     )
     docs = _field_docs()
     for name, option in _option_fields().items():
-        flags = [cce_flag(name), *_FLAG_ALIASES.get(name, ())]
         help_text = " ".join(docs.get(name, "").split()).replace("%", "%%")
         dest = CCE_FLAG_PREFIX + name
         if option.type is bool:
             if option.default:  # the docstring speaks of True and False: say what the flag sets
                 help_text = f"Sets {name}=False (default True). {name}: {help_text}"
-            group.add_argument(*flags, dest=dest, action="store_const",
+            group.add_argument(cce_flag(name), dest=dest, action="store_const",
                                const=not option.default, default=None, help=help_text)
             continue
         kwargs = _value_kwargs(name, option.type, none_allowed=option.default is not None)
-        group.add_argument(*flags, dest=dest, default=None, help=help_text, **kwargs)
+        group.add_argument(cce_flag(name), dest=dest, default=None, help=help_text, **kwargs)
     return parser
 
 
@@ -118,7 +115,7 @@ def cce_options_from_args(args) -> dict:
 def check_cce_options(options: dict) -> None:
     """Raise ValueError naming the flags if ``options`` (from :func:`cce_options_from_args`)
     cannot run together."""
-    if options.get("recompute_logits") is False and options.get("backward") == "tiles":
+    if options.get("keep_logits") is True and options.get("backward") == "tiles":
         raise ValueError(
             "--cce-keep-logits needs the gemm backward (the tiles backward always recomputes "
             "the logits): drop --cce-backward tiles"

@@ -36,6 +36,11 @@ step (fused_lce/faults.py; a host-memory read, no sync). Under ``--cuda-graph-im
 full_iteration`` the op's own Python runs only until the capture, so this is where a bad
 target or an unexpected upstream gradient of a replayed step is raised.
 
+It also lets ``--cuda-graph-impl full_iteration`` run with pipeline parallelism, for any
+loss: megatron-core 0.19's ``get_batch`` edits the static batch buffers that full-iteration
+graphs hand it, so that the second step fails before the capture; the plugin hands it copies
+(``_handing_out_batch_copies``).
+
 Importing this module imports neither megatron nor Megatron-LM; :func:`install` does.
 """
 
@@ -65,6 +70,13 @@ def install() -> None:
     megatron_patch.install(options_from=options_from_megatron_lm)
     _wrap_module_function(arguments, "add_megatron_arguments", _with_cce_arguments)
     _wrap_module_function(arguments, "parse_args", _checking_cce_options)
+    try:
+        from megatron.core import full_cuda_graph
+    except ImportError:
+        full_cuda_graph = None  # megatron-core before full-iteration graphs
+    if full_cuda_graph is not None and hasattr(full_cuda_graph, "StaticBufferLoader"):
+        _wrap_module_function(full_cuda_graph.StaticBufferLoader, "__call__",
+                              _handing_out_batch_copies)
     try:
         from megatron.training import training
     except ImportError:
@@ -118,6 +130,20 @@ def _raising_found_faults(train_step):
         return train_step(*args, **kwargs)
 
     return train_step_after_the_faults_found
+
+
+def _handing_out_batch_copies(load):
+    """Under ``--cuda-graph-impl full_iteration`` Megatron's ``StaticBufferLoader`` hands each
+    micro-batch's static buffer dict to ``get_batch``, which (megatron-core 0.19,
+    ``get_batch_on_this_tp_rank``) sets the fields a pipeline stage does not use to None in that
+    dict; the next step's copy into the buffer then fails ("'NoneType' object has no attribute
+    'copy_'"), so pipeline parallelism never reaches the capture, whatever the loss. A shallow
+    copy of the dict holds the same static tensors and leaves the buffer whole."""
+    def load_into_static_buffers(*args, **kwargs):
+        batch = load(*args, **kwargs)
+        return dict(batch) if isinstance(batch, dict) else batch
+
+    return load_into_static_buffers
 
 
 def _checking_cce_options(parse_args):

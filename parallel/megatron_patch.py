@@ -69,7 +69,7 @@ def install(model=None, *, options_from: Callable[[], dict] | None = None, **opt
             is (the Megatron-LM plugin route).
         options: passed to the op, each an ``LCEOptions`` field of the same name: ``softcap``,
             ``z_loss``, ``label_smoothing``, ``impl``, ``backward``, ``filter_eps``,
-            ``scratch_mb``, ``deterministic``, ``round_logits``, ``recompute_logits``,
+            ``scratch_mb``, ``deterministic``, ``round_logits``, ``keep_logits``,
             ``fp32_weight_grad``, ``upstream_mismatch`` (default "auto": with the forward's
             loss mask, which Megatron's loss meets, checked on the device, no sync),
             ``cuda_graphs`` (default True: the loss forward replayed from its own CUDA graph,

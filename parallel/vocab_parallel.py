@@ -65,11 +65,12 @@ from fused_lce.checks import (
     validate,
 )
 from fused_lce.engine import LCEFunction, ShardCall
-from fused_lce.options import LCEOptions, without_backward_options
+from fused_lce.options import LCEOptions, refusing_renamed, without_backward_options
 
 from . import agreement, comm
 
 
+@refusing_renamed
 def vocab_parallel_linear_cross_entropy(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -92,7 +93,7 @@ def vocab_parallel_linear_cross_entropy(
     vocab_sort: bool = True,
     deterministic: bool = False,
     round_logits: bool = False,
-    recompute_logits: bool = True,
+    keep_logits: bool = False,
     fp32_weight_grad: bool = True,
     upstream_mismatch: str = "auto",
     vocab_chunk_size: int | None = None,
@@ -101,7 +102,6 @@ def vocab_parallel_linear_cross_entropy(
     tma: bool | None = None,
     cuda_graphs: bool = True,
     check_targets: bool = True,
-    debug: bool = False,
     weight_grad_accumulator: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     agree_every_call: bool = True,
@@ -127,8 +127,6 @@ def vocab_parallel_linear_cross_entropy(
             are not classes. Default: the sum of the shards.
         sequence_parallel: ``input`` is sequence-sharded: all-gather it in, reduce-scatter its
             gradient out.
-        debug: accepted and ignored: the check it switched on (ranks agree on shapes and
-            shards) now runs on every call, with the options and the argument checks' verdicts.
         weight_grad_accumulator: an fp32 buffer of ``weight``'s shape (Megatron's ``main_grad``)
             into which the backward adds the weight gradient directly, instead of returning it
             in the weight's dtype; the weight then receives no ``.grad`` from this op (or, if it
@@ -158,7 +156,7 @@ def vocab_parallel_linear_cross_entropy(
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
         softcap=softcap, z_loss=z_loss, impl=impl, backward=backward, filter_eps=filter_eps,
         vocab_sort=vocab_sort, deterministic=deterministic, round_logits=round_logits,
-        recompute_logits=recompute_logits, fp32_weight_grad=fp32_weight_grad,
+        keep_logits=keep_logits, fp32_weight_grad=fp32_weight_grad,
         upstream_mismatch=upstream_mismatch, vocab_chunk_size=vocab_chunk_size,
         token_chunk_size=token_chunk_size, scratch_mb=scratch_mb, tma=tma,
         cuda_graphs=cuda_graphs,
@@ -173,7 +171,7 @@ def vocab_parallel_linear_cross_entropy(
         if isinstance(input, torch.Tensor):
             faults.raise_found(input.device)
         for name, flag in (("return_lse", return_lse), ("check_targets", check_targets),
-                           ("debug", debug), ("agree_every_call", agree_every_call)):
+                           ("agree_every_call", agree_every_call)):
             check_flag(name, flag)
         opts = _check_call(input, weight, target, bias, options, group, sequence_parallel,
                            vocab_start_index, vocab_size, weight_grad_accumulator)

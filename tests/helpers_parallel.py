@@ -147,7 +147,7 @@ def same_on_all_ranks(tensor: torch.Tensor, world: int) -> bool:
 
 def case(name: str, impl: str, rows: int, *, dtype=torch.float32, regime="peaked", sp=False,
          ignore=0.1, bias=False, vocab_size=None, reversed_shards=False, return_lse=False,
-         debug=False, accumulate=False, smoothing_is_global=False, **options) -> dict:
+         accumulate=False, smoothing_is_global=False, **options) -> dict:
     """One comparison: ``rows`` weight rows split near-evenly over the ranks (the first
     ``rows % TP`` ranks get one more), of which ``vocab_size`` (default all) are classes.
 
@@ -161,7 +161,7 @@ def case(name: str, impl: str, rows: int, *, dtype=torch.float32, regime="peaked
     """
     return dict(name=f"{impl}-{name}", impl=impl, rows=rows, dtype=dtype, regime=regime, sp=sp,
                 ignore=ignore, bias=bias, vocab_size=vocab_size, reversed_shards=reversed_shards,
-                return_lse=return_lse, debug=debug, accumulate=accumulate,
+                return_lse=return_lse, accumulate=accumulate,
                 smoothing_is_global=smoothing_is_global, options=options)
 
 
@@ -311,7 +311,7 @@ def check_case(case: dict, rank: int, world: int, *, shape: tuple[int, int, int]
         kwargs["weight_grad_accumulator"] = accumulator
     out = vocab_parallel_linear_cross_entropy(
         h, w, target.to(device), b, sequence_parallel=sp, impl=case["impl"],
-        return_lse=case["return_lse"], ignore_index=IGNORE_INDEX, debug=case["debug"], **kwargs,
+        return_lse=case["return_lse"], ignore_index=IGNORE_INDEX, **kwargs,
     )
     loss, lse = out if case["return_lse"] else (out, None)
     objective(loss, lse, seed).backward()

@@ -1,4 +1,4 @@
-"""scripts/build_token_file.py: the file split, the byte-level BPE and the compressed form.
+"""lce_train.build_token_file: the file split, the byte-level BPE and the compressed form.
 
 A tiny corpus in a temporary folder (40 small generated files plus a duplicate, an empty file, a
 non-UTF-8 file and one that mentions the end-of-document token) is tokenized in well under a

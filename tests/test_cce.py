@@ -82,12 +82,12 @@ CASES = [
     case("bf16-peaked-none-tiles-eps1e-6-nosort", BF16, "peaked", SMALL, 0.1, True,
          reduction="none", backward="tiles", filter_eps=1e-6, vocab_sort=False),
     case("f16-peaked-mean-lse", F16, "peaked", SMALL, 0.1, True, return_lse=True),
-    # The backward from the forward's kept logits (recompute_logits=False).
+    # The backward from the forward's kept logits (keep_logits=True).
     case("f32-uniform-everything-padding-kept", F32, "near-uniform", LARGER, 0.1, True,
          label_smoothing=0.1, softcap=5.0, z_loss=1e-3, num_classes=500, return_lse=True,
-         recompute_logits=False),
+         keep_logits=True),
     case("bf16-peaked-none-zloss-batch-dims-kept", BF16, "peaked", SMALL, 0.2, True, n=(2, 75),
-         reduction="none", z_loss=1e-3, recompute_logits=False),
+         reduction="none", z_loss=1e-3, keep_logits=True),
 ]
 
 
@@ -292,7 +292,7 @@ def test_safe_filter_skips_tiles_in_peaked_regime():
 
 
 def test_kept_logits_skip_the_recompute(monkeypatch):
-    """recompute_logits=False really takes the kept path: no logit chunk is recomputed."""
+    """keep_logits=True really takes the kept path: no logit chunk is recomputed."""
     import fused_lce.kernels.gemm_backward as gemm
 
     def no_recompute(*args, **kwargs):
@@ -301,7 +301,7 @@ def test_kept_logits_skip_the_recompute(monkeypatch):
     monkeypatch.setattr(gemm, "grad_logits", no_recompute)
     hidden, weight, target, bias = make_problem(40, 300, 24, BF16, "peaked", 0.1, bias=True,
                                                 seed=56)
-    compare_to_reference(hidden, weight, target, bias, impl="cce", recompute_logits=False)
+    compare_to_reference(hidden, weight, target, bias, impl="cce", keep_logits=True)
     hidden.requires_grad_()
     with pytest.raises(AssertionError, match="recomputed"):
         linear_cross_entropy(hidden, weight, target, impl="cce", backward="gemm").backward()
@@ -309,7 +309,7 @@ def test_kept_logits_skip_the_recompute(monkeypatch):
 
 def test_evaluation_keeps_no_logits(monkeypatch):
     """Without a backward to come (no grad mode, or no input wanting a gradient) the forward
-    keeps nothing, whatever recompute_logits says."""
+    keeps nothing, whatever keep_logits says."""
     import fused_lce.triton_shard as function
 
     asked = []
@@ -320,8 +320,8 @@ def test_evaluation_keeps_no_logits(monkeypatch):
     hidden, weight, target, _ = make_problem(40, 300, 24, BF16, "peaked", 0.1, seed=58)
     with torch.no_grad():
         linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce",
-                             recompute_logits=False)
-    linear_cross_entropy(hidden.detach(), weight, target, impl="cce", recompute_logits=False)
+                             keep_logits=True)
+    linear_cross_entropy(hidden.detach(), weight, target, impl="cce", keep_logits=True)
     linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce",
-                         recompute_logits=False)
+                         keep_logits=True)
     assert asked == [False, False, True]

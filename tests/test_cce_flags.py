@@ -28,8 +28,7 @@ def test_one_flag_per_adapter_option_with_the_field_docstring():
     actions = _flags_by_dest(_parser())
     names = {f.name for f in dataclasses.fields(LCEOptions)} & set(megatron_flags.ADAPTER_OPTIONS)
     assert {d.removeprefix("cce_") for d in actions} == names
-    assert "--cce-keep-logits" in actions["cce_recompute_logits"].option_strings
-    assert "--cce-no-recompute-logits" in actions["cce_recompute_logits"].option_strings
+    assert actions["cce_keep_logits"].option_strings == ["--cce-keep-logits"]
     assert actions["cce_z_loss"].help.startswith("Coefficient of the ``lse**2`` penalty")
     assert tuple(actions["cce_impl"].choices) == ("auto", "cce", "chunked", "torch")
     assert tuple(actions["cce_backward"].choices) == ("auto", "in_forward", "gemm", "tiles")
@@ -65,7 +64,7 @@ def test_adding_twice_is_harmless():
      {"filter_eps": "paper", "backward": "tiles"}),
     (["--cce-filter-eps", "2.5e-4"], {"filter_eps": 2.5e-4}),
     (["--cce-keep-logits", "--cce-round-logits", "--cce-deterministic"],
-     {"recompute_logits": False, "round_logits": True, "deterministic": True}),
+     {"keep_logits": True, "round_logits": True, "deterministic": True}),
     (["--cce-impl", "chunked", "--cce-scratch-mb", "16"], {"impl": "chunked", "scratch_mb": 16.0}),
 ])
 def test_flags_read_back_as_options(argv, options):
@@ -85,7 +84,7 @@ def test_malformed_flags_are_refused_by_the_parser(argv):
 @pytest.mark.parametrize("options, message", [
     ({"softcap": -1.0}, "--cce-softcap -1.0: softcap must be"),
     ({"label_smoothing": 2.0}, "label_smoothing must be in"),
-    ({"recompute_logits": False, "backward": "tiles"}, "--cce-keep-logits needs the gemm"),
+    ({"keep_logits": True, "backward": "tiles"}, "--cce-keep-logits needs the gemm"),
 ])
 def test_bad_values_name_their_flags(options, message):
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,7 @@
   vocabulary chunks.
 - ``grad_logits`` / ``lce_backward_gemm`` (the GEMM backward): a chunk of the logit gradient G
   against fp64, and the gradients with one and with several chunks.
+- ``scale_unless_one_``: the fp32 product rounded once, a scale of 1 a no-op.
 
 Sizes are ragged (150 x 307 x 70): with the interpreter's 64 x 128 x 64 tiles that is 3 row
 blocks, 3 vocabulary blocks and 2 hidden blocks, each with a partial last one.
@@ -568,7 +569,7 @@ def test_round_logits_end_to_end():
 
 
 # ---------------------------------------------------------------------------------------------
-# recompute_logits=False: the forward keeps exp(logit - running max) per tile, the backward
+# keep_logits=True: the forward keeps exp(logit - running max) per tile, the backward
 # forms G from it in place and runs one GEMM per gradient, with no logit recomputed.
 # ---------------------------------------------------------------------------------------------
 
@@ -710,6 +711,26 @@ compiled = triton.compile(
 )
 sys.stdout.write(compiled.asm["ptx"])
 """
+
+
+# ---------------------------------------------------------------------------------------------
+# scale_unless_one_
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_dtype_id)
+def test_scale_unless_one_rounds_the_fp32_product_once(dtype):
+    """x *= s, the product formed in fp32 and rounded once to x's dtype, as torch rounds it (in
+    bf16, 1/3 rounded first would bias every entry by 0.2%); a scale of 1 leaves x untouched,
+    a NaN scale poisons every entry."""
+    from fused_lce.kernels.scale import scale_unless_one_
+
+    x = (torch.randn(3 * 65536 + 5, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)
+    third = torch.tensor([1 / 3])
+    expected = (x.float() * third).to(dtype)
+    assert torch.equal(scale_unless_one_(x.clone(), third), expected)
+    assert torch.equal(scale_unless_one_(x.clone(), torch.ones(1)), x)
+    assert scale_unless_one_(x.clone(), torch.tensor([float("nan")])).isnan().all()
 
 
 @pytest.mark.cpu_kernels(False)  # compiles in a child process; runs nothing on CPU tensors

@@ -1,6 +1,7 @@
-"""The scripts that bring the CuTe-DSL peers (QuACK, Liger's CuTe paths) to a GPU benchmark, on
+"""The code that brings the CuTe-DSL peers (QuACK, Liger's CuTe paths) to a GPU benchmark, on
 the CPU: scripts/pack_cute_peers.py's patch of QuACK's compile-cache keyer and its split of the
-packed compiler, and scripts/bench_lce.py's names for the peers where they are not installed."""
+packed compiler, and the benchmark's names for the peers where they are not installed
+(lce_train.bench_lce_providers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lce_train import bench_lce_providers
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -80,18 +83,16 @@ def test_split_halves_join_back(tmp_path):
 @pytest.mark.parametrize("name", ["quack", "quack-scaled-exp@8192", "liger-cute",
                                   "liger-cutedsl"])
 def test_bench_skips_cute_peers_that_do_not_import(name, monkeypatch, capsys):
-    bench = _script("bench_lce")
     # Whatever is installed here, these imports fail as on a machine without the DSL.
     for module in ("quack", "quack.linear_cross_entropy", "liger_kernel.ops.cutedsl",
                    "liger_kernel.ops.cutedsl.ops",
                    "liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90",
                    "liger_kernel.ops.fused_linear_cross_entropy"):
         monkeypatch.setitem(sys.modules, module, None)
-    assert bench.providers([name, "torch"]).keys() == {"torch"}
+    assert bench_lce_providers.providers([name, "torch"]).keys() == {"torch"}
     assert name in capsys.readouterr().out
 
 
 def test_bench_refuses_unknown_cute_peer():
-    bench = _script("bench_lce")
     with pytest.raises(ValueError, match="unknown CuTe peer"):
-        bench.cute_peer("quack-fast")
+        bench_lce_providers.cute_peer("quack-fast")

@@ -1,8 +1,9 @@
-"""The exponentials kernels (fused_lce/kernels/exp_logits.py), called directly, against float64
-torch on the same bf16 inputs: the target logits and their column codes, the stored exponentials
-and their sums (through tensor descriptors and through pointers), the row scales and the scaled
-operand, the input gradient's finish and the target rows' sums into the weight and bias
-gradients (runs of equal targets longer than the kernel's block, and a vocabulary shard).
+"""The exponentials kernels (fused_lce/kernels/exp_logits.py and exp_logits_grad.py), called
+directly, against float64 torch on the same bf16 inputs: the target logits and their column
+codes, the stored exponentials and their sums (through tensor descriptors and through pointers),
+the row scales and the scaled operand, the input gradient's finish and the target rows' sums into
+the weight and bias gradients (runs of equal targets longer than the kernel's block, and a
+vocabulary shard).
 
 Sizes are ragged (150 x 307 x 72 and 70): no tile divides them; 72 columns of bf16 make 16-byte
 rows (the descriptors' path), 70 do not (the pointers').
@@ -18,14 +19,12 @@ from fused_lce.kernels.exp_logits import (
     IGNORED,
     OTHER_SHARD,
     ExpLogitsConfig,
-    add_target_rows,
     exp_logits,
     exp_logits_config,
-    finish_input_grad,
     repair_exponentials,
-    row_scales,
     target_logits,
 )
+from fused_lce.kernels.exp_logits_grad import add_target_rows, finish_input_grad, row_scales
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -72,17 +71,12 @@ def test_target_logits_and_columns(softcap, with_bias):
 @pytest.mark.parametrize("d", [72, 70], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("regime", ["peaked", "near-uniform"])
-# Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one; the
-# epilogue that takes every block's max (tune_exp_logits' comparison); the flattened,
-# warp-specialised tile loop (the interpreter runs it as a plain loop: this checks the wiring);
-# and twice the persistent programs, each walking fewer tiles.
-@pytest.mark.parametrize("split, group, always_max, loops",
-                         [(1, None, False, {}), (2, 2, False, {}), (2, None, True, {}),
-                          (2, None, False, {"flatten": True, "warp_specialize": True}),
-                          (1, None, False, {"programs_per_sm": 2})],
-                         ids=["whole-tile", "split-epilogue-group2", "always-max", "flatten-ws",
-                              "two-programs-per-sm"])
-def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_max, loops):
+# Groups of 2 row tiles over 3 (150 rows in 64-row tiles): a full group and a partial one; and
+# the warp-specialised tile loop (the interpreter runs it as a plain loop: this checks the wiring).
+@pytest.mark.parametrize("split, group, warp_specialize",
+                         [(1, None, False), (2, 2, False), (2, None, True)],
+                         ids=["whole-tile", "split-epilogue-group2", "warp-specialized"])
+def test_exponentials_and_their_sums(d, softcap, regime, split, group, warp_specialize):
     hidden, weight, bias, target = _problem(d, seed=2, scale=0.3 if regime == "peaked" else 0.01)
     columns = _columns64(target, V).to(torch.int32)
     # Offsets as the walk passes them: the target logit (another shard's, here random).
@@ -90,7 +84,7 @@ def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_ma
     offsets = (torch.randn(N) * 2).float()
     out = torch.full((N, V + 5), float("nan"), dtype=torch.bfloat16)[:, :V]  # strided rows
     config = ExpLogitsConfig(exp_logits_config(hidden.device).tile, split=split, group=group,
-                             always_max=always_max, **loops)
+                             warp_specialize=warp_specialize)
     row_max, sum_exp, target_logit = exp_logits(hidden, weight, bias, columns, offsets, out,
                                                 softcap=softcap, round_16bit=False,
                                                 config=config)
@@ -121,13 +115,6 @@ def test_exponentials_and_their_sums(d, softcap, regime, split, group, always_ma
     error = (out.double() - stored).abs()
     assert (error <= stored.abs() * 2.0**-8 + 1e-30).all()
     assert (out[~keep] == 0).all()
-
-
-@pytest.mark.parametrize("programs_per_sm", [0, -1, 1.5])
-def test_programs_per_sm_must_be_a_positive_integer(programs_per_sm):
-    tile = exp_logits_config(torch.device("cpu")).tile
-    with pytest.raises(ValueError, match="programs_per_sm must be an integer >= 1"):
-        ExpLogitsConfig(tile, programs_per_sm=programs_per_sm)
 
 
 def test_exponentials_without_storage_give_the_same_sums():

@@ -281,7 +281,7 @@ def test_no_gradient_wanted_walks_without_gradients(monkeypatch, walks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"backward": "gemm"}, {"backward": "tiles"}, {"recompute_logits": False},
+    [{}, {"backward": "gemm"}, {"backward": "tiles"}, {"keep_logits": True},
      {"scratch_mb": 0.01}, {"token_chunk_size": 16}, {"softcap": 3.0, "label_smoothing": 0.1}],
     ids=["default", "gemm", "tiles", "kept", "lean", "chunks", "softcap-smoothing"],
 )
@@ -298,7 +298,7 @@ def test_evaluation_loss_is_the_training_loss(options, dtype):
 
 @pytest.mark.parametrize(
     "options",
-    [{"backward": "gemm"}, {"backward": "tiles"}, {"recompute_logits": False},
+    [{"backward": "gemm"}, {"backward": "tiles"}, {"keep_logits": True},
      {"scratch_mb": 0.01}],
     ids=["gemm", "tiles", "kept", "budget-below-one-chunk"],
 )
@@ -459,6 +459,6 @@ def test_backward_forward_is_the_walk_and_refuses_kept_logits(walks):
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=6)
     compare_to_reference(hidden, weight, target, None, impl="cce", backward="in_forward")
     assert walks == [ForwardGradPlan(N, False)]
-    with pytest.raises(ValueError, match="recompute_logits=False needs backward='gemm' or 'auto'"):
+    with pytest.raises(ValueError, match="keep_logits=True needs backward='gemm' or 'auto'"):
         linear_cross_entropy(hidden, weight, target, impl="cce", backward="in_forward",
-                             recompute_logits=False)
+                             keep_logits=True)

@@ -1,5 +1,5 @@
-"""The scripts behind the 4-GPU reports, on the CPU: scripts/bench_parallel.py (--cpu-smoke),
-scripts/max_micro_batch.py and scripts/plot_gpu_suite.py on the committed GPU results.
+"""The tools behind the 4-GPU reports, on the CPU: lce_train.bench_parallel (--cpu-smoke),
+lce_train.max_micro_batch and lce_train.plot_gpu_suite on the committed GPU results.
 
 The last also holds lce_train.pp_memory to the peaks measured on 4 x H200: a change to the model
 that moves a prediction more than 10% from its measurement fails here."""
@@ -24,7 +24,6 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
 RESULTS = ROOT / "docs" / "benchmarks"
 
 
@@ -39,7 +38,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_parallel_providers_on_cpu(tmp_path):
     out = tmp_path / "bench.csv"
-    _torchrun(str(SCRIPTS / "bench_parallel.py"), "--cpu-smoke", "--models", "gemma2_2b",
+    _torchrun("-m", "lce_train.bench_parallel", "--cpu-smoke", "--models", "gemma2_2b",
               "--providers", "ours", "ours-gemm", "ours-lean", "megatron-fused", "collectives",
               "--iters", "1", "--warmup", "0", "--out", str(out))
     with open(out, newline="") as f:
@@ -64,7 +63,7 @@ _N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.skipif(0 < _N_GPUS < 2, reason="2 ranks: 2 GPUs on a CUDA machine (or none: gloo)")
 def test_max_micro_batch_runs_to_its_limit(tmp_path):
     out = tmp_path / "mmb.json"
-    _torchrun(str(SCRIPTS / "max_micro_batch.py"), "--config", "tiny",
+    _torchrun("-m", "lce_train.max_micro_batch", "--config", "tiny",
               "--tensor-model-parallel-size", "2", "--seq-length", "16",
               "--cross-entropy-fusion-impl", "cce", "--max-micro-batch", "3", "--out", str(out))
     result = json.loads(out.read_text())

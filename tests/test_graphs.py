@@ -26,13 +26,19 @@ from fused_lce.parallel import megatron_patch
 
 class RecordedWalk:
     """A CUDA graph's contract without CUDA: a replay runs the walk on the static inputs and
-    writes the results into the outputs of the recording run."""
+    writes the results into the outputs of the recording run. The recording runs the walk (a
+    capture only records it), so the first replay, which follows it on the same inputs, does
+    nothing: the backward's walk scales gradients in place and must run once per replay."""
 
     def __init__(self, walk, static):
         self.walk, self.static = walk, static
         self.outputs = walk(*static)
+        self.recorded_run_pending = True
 
     def replay(self) -> None:
+        if self.recorded_run_pending:
+            self.recorded_run_pending = False
+            return
         for kept, new in zip(graphs._tensors(self.outputs),
                              graphs._tensors(self.walk(*self.static)), strict=True):
             kept.copy_(new)
@@ -168,7 +174,8 @@ def test_megatron_micro_batches_replay_one_key(recorded, one_rank_group):
             (loss * loss_mask).sum().backward()
         main_grads.append(weight.main_grad)
     (walk,) = recorded.values()
-    assert walk.calls == 4 and len(walk.slots) == 1
+    # Micro-batch 2 captured the slot's backward, micro-batch 3 replayed it.
+    assert walk.calls == 4 and len(walk.slots) == 1 and len(walk.slots[0].backwards) == 1
     assert_close_rel(main_grads[0], main_grads[1], 0.0, "main_grad")
 
 
@@ -195,3 +202,27 @@ def test_a_bad_target_in_a_replay_raises(recorded):
     (walk,) = recorded.values()
     assert walk.calls == 3 and len(walk.slots) == 1
     assert all(slot.free for slot in walk.slots), "a forward that raised left its slot leased"
+
+
+def test_an_unexpected_upstream_gradient_in_a_replayed_backward_raises(recorded):
+    """A per-token loss weighed by something other than its loss_mask: the replayed backward
+    returns NaN gradients, and the next call raises, as the eager backward does."""
+    weight = torch.randn(101, 24, requires_grad=True)
+    options = dict(impl="chunked", chunk_by="tokens", token_chunk_size=32, reduction="none")
+
+    def step(weights_differ=False):
+        hidden = torch.randn(64, 24, requires_grad=True)
+        target = torch.randint(0, 101, (64,))
+        mask = (torch.rand(64) > 0.3).float()
+        loss = linear_cross_entropy(hidden, weight, target, loss_mask=mask, **options)
+        weights = mask * (torch.rand(64) + 0.5) if weights_differ else mask
+        (loss * weights).sum().backward()
+        return hidden.grad
+
+    for _ in range(3):
+        assert torch.isfinite(step()).all()
+    (walk,) = recorded.values()
+    assert len(walk.slots[0].backwards) == 1, "the third backward was not captured"
+    assert torch.isnan(step(weights_differ=True)).all()
+    with pytest.raises(RuntimeError, match="not c \\* loss_mask"):
+        step()

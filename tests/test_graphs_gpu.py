@@ -186,6 +186,8 @@ def test_replays_make_no_sync_and_capture_only_once():
             torch.cuda.set_sync_debug_mode("default")
     (walk,) = graphs._WALKS.values()
     assert walk.calls == 6 and len(walk.slots) == 1 and not walk.leased
+    # The slot's second backward captured its graph; the later ones replayed it.
+    assert len(walk.slots[0].backwards) == 1 and walk.slots[0].backward_calls == 5
 
 
 def layer_suite(rank: int, world: int, sp: bool) -> list[str]:

@@ -219,7 +219,7 @@ def _parallel_refusals(rank: int, world: int) -> list[str]:
             return
         errors.append(f"rank {rank} {label}: nothing raised")
 
-    for name in ("return_lse", "check_targets", "debug"):
+    for name in ("return_lse", "check_targets", "agree_every_call"):
         expect(name, TypeError, rf"{name} must be a bool, got 'no'",
                lambda n=name: call(**{n: "no"}))
     expect("vmap", RuntimeError, r"torch\.func transforms",
@@ -243,7 +243,7 @@ def test_vocab_parallel_refuses_the_same_on_every_rank(tmp_path):
 
 FP16_PATHS = [
     *HAND_MADE_BACKWARDS,
-    pytest.param(dict(impl="cce", backward="gemm", recompute_logits=False), id="cce-kept",
+    pytest.param(dict(impl="cce", backward="gemm", keep_logits=True), id="cce-kept",
                  marks=ON_CPU),
     pytest.param(dict(impl="torch"), id="torch"),
 ]

@@ -5,7 +5,7 @@ get_num_layers_to_build; lce_train.megatron_cpu's patches; then torchrun jobs of
 processes each, which train the tiny model (2 layers, hidden 64, vocab 1000, sequence 32,
 micro-batch 2) for a few steps:
 
-    TP=2             cce, native and unfused megatron losses agree (one job, compare_losses.py)
+    TP=2             cce, native and unfused megatron losses agree (one job, compare_losses)
     TP=2 + SP        the same with sequence parallelism
     PP=2 (TP=1)      the same with the loss on the last stage, loss counted in the split,
                      tied embeddings (tiny_tied)
@@ -31,7 +31,7 @@ import torch
 from lce_train import arguments, evaluation, optimizer, training
 from lce_train.configs import known_models
 from lce_train.data import TokenWindows
-from lce_train.pp_memory import stage_layer_counts
+from lce_train.pp_split import stage_layer_counts
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated")
@@ -65,7 +65,7 @@ def _torchrun(script: str, *flags: str) -> subprocess.CompletedProcess:
 
 def _compare(tmp_path, *flags: str, steps: int = 3) -> dict:
     out = tmp_path / "losses.json"
-    proc = _run([sys.executable, str(SCRIPTS / "compare_losses.py"), "--steps", str(steps),
+    proc = _run([sys.executable, "-m", "lce_train.compare_losses", "--steps", str(steps),
                  "--json", str(out), *TINY, *flags])
     result = json.loads(out.read_text())
     result["stdout"] = proc.stdout
@@ -395,7 +395,7 @@ def test_cce_option_flags():
     assert arguments.cce_options(args) == {"round_logits": True}
     args = arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
                                     "--dry-run"])
-    assert arguments.cce_options(args) == {"recompute_logits": False}
+    assert arguments.cce_options(args) == {"keep_logits": True}
     with pytest.raises(SystemExit, match="--cce-keep-logits needs the gemm backward"):
         arguments.parse_args(["--cross-entropy-fusion-impl", "cce", "--cce-keep-logits",
                                  "--cce-backward", "tiles", "--dry-run"])

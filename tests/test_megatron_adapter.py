@@ -143,8 +143,8 @@ def test_unknown_option_is_refused():
 
 
 def test_bad_option_value_is_refused_at_install():
-    with pytest.raises(ValueError, match="recompute_logits=False needs backward"):
-        megatron_patch.install(nn.Linear(2, 2), recompute_logits=False, backward="tiles")
+    with pytest.raises(ValueError, match="keep_logits=True needs backward"):
+        megatron_patch.install(nn.Linear(2, 2), keep_logits=True, backward="tiles")
     with pytest.raises(ValueError, match="softcap must be"):
         megatron_patch.install(nn.Linear(2, 2), softcap=-1.0)
 

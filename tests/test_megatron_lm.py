@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -97,7 +98,7 @@ def test_python_m_route_reaches_every_parse_and_the_config(impl):
                          "--cce-filter-eps", "none", "--cce-backward", "gemm"))
     assert seen["first_parse"] == seen["validated"] == seen["with_provider"] == impl
     assert seen["config"] == [True, impl] and seen["wants_cce"]
-    assert seen["options"] == {"softcap": 30.0, "recompute_logits": False, "filter_eps": None,
+    assert seen["options"] == {"softcap": 30.0, "keep_logits": True, "filter_eps": None,
                                "backward": "gemm"}
     assert seen["gpt_patched"]
 
@@ -195,3 +196,17 @@ def test_step_report_reads_rounds_and_compares_graphs_with_eager(tmp_path, capsy
 def test_step_script_is_valid_bash():
     script = Path(__file__).parents[1] / "scripts" / "megatron_lm_step.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_full_iteration_batches_are_copies_get_batch_may_edit():
+    """Under full-iteration graphs megatron-core 0.19's get_batch sets the fields a pipeline
+    stage does not use to None in the dict the static loader hands it; the loader's buffer must
+    keep its tensors for the next step's copy."""
+    from fused_lce.parallel import megatron_lm
+
+    buffer = {"tokens": torch.arange(4), "labels": torch.arange(4)}
+    load = megatron_lm._handing_out_batch_copies(lambda inputs, stage, microbatch: buffer)
+    batch = load({}, "training", 0)
+    assert batch["labels"] is buffer["labels"]
+    batch["labels"] = None  # as get_batch_on_this_tp_rank on the first stage
+    assert buffer["labels"] is not None

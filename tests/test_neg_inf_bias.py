@@ -27,7 +27,7 @@ PATHS = {
     "default": dict(impl="cce"),
     "gemm": dict(impl="cce", backward="gemm"),
     "lean": dict(impl="cce", backward="gemm", scratch_mb=12),
-    "kept": dict(impl="cce", backward="gemm", recompute_logits=False),
+    "kept": dict(impl="cce", backward="gemm", keep_logits=True),
     "tiles": dict(impl="cce", backward="tiles"),
     "chunked-vocab": dict(impl="chunked", vocab_chunk_size=128),
     "chunked-tokens": dict(impl="chunked", chunk_by="tokens", token_chunk_size=8),

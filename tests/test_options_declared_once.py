@@ -15,7 +15,7 @@ FIELDS = {f.name: f.default for f in user_fields()}
 # Keywords that are not options of the computation: what the call returns or checks, and the
 # vocab-parallel layer's own arguments.
 CALL_KEYWORDS = {"return_lse", "check_targets", "loss_mask"}
-PARALLEL_KEYWORDS = {"group", "vocab_start_index", "vocab_size", "sequence_parallel", "debug",
+PARALLEL_KEYWORDS = {"group", "vocab_start_index", "vocab_size", "sequence_parallel",
                      "weight_grad_accumulator", "agree_every_call"}
 # The vocab-parallel layer has no padding rows of its own (vocab_size) and chunks by vocabulary.
 NOT_IN_PARALLEL = {"num_classes", "chunk_by"}

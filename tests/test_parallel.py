@@ -46,7 +46,7 @@ def _cases(world: int) -> list[dict]:
             # 204 rows after 203: at TP = 2, 3, 4 some rank keeps its row count while the
             # layout changes (a per-rank cache of shard starts once hung here).
             case("layout-change-204-rows", impl, V + 1, bias=True),
-            case("mean-sp-debug", impl, V, sp=True, debug=True),
+            case("mean-sp", impl, V, sp=True),
             case("sum-bias-uniform-sp", impl, V, regime="near-uniform", sp=True, ignore=0.25,
                  bias=True, reduction="sum"),
             case("none-lse-bias", impl, V, bias=True, reduction="none", return_lse=True),
@@ -63,8 +63,7 @@ def _cases(world: int) -> list[dict]:
             case("all-ignored-mean", impl, V, ignore=1.0, bias=True),
             case("all-ignored-sum-lse-sp", impl, V, sp=True, ignore=1.0, reduction="sum",
                  return_lse=True, z_loss=1e-3),
-            case("reversed-shards-bias-debug", impl, V, reversed_shards=True, bias=True,
-                 debug=True),
+            case("reversed-shards-bias", impl, V, reversed_shards=True, bias=True),
             case("bf16-bias-softcap-sp", impl, V, dtype=BF16, sp=True, bias=True, softcap=5.0),
             case("bf16-uniform-none-lse", impl, V, dtype=BF16, regime="near-uniform",
                  reduction="none", return_lse=True),
@@ -87,9 +86,9 @@ def _cases(world: int) -> list[dict]:
         # The backward from the forward's kept logits: G against the global lse.
         case("kept-logits-everything-sp", "cce", V_PADDED, vocab_size=V, sp=True, bias=True,
              reduction="none", label_smoothing=0.1, softcap=3.0, z_loss=1e-3,
-             return_lse=True, recompute_logits=False),
+             return_lse=True, keep_logits=True),
         case("kept-logits-bf16-accumulator", "cce", V, dtype=BF16, regime="near-uniform",
-             accumulate=True, recompute_logits=False),
+             accumulate=True, keep_logits=True),
     ]
     return cases
 
@@ -156,8 +155,8 @@ def _bad_cases(rank: int) -> list[tuple[str, dict, str]]:
          call((108, 108), vocab_size=V, target=with_target((2, 2), 205)),
          "target holds class 205"),
         ("vocab_size beyond the shards", call(vocab_size=V + 1), "vocab_size"),
-        ("debug: ranks disagree on tokens",
-         call(input=hidden[: S - rank], target=target[: S - rank], debug=True),
+        ("ranks disagree on tokens",
+         call(input=hidden[: S - rank], target=target[: S - rank]),
          "ranks disagree"),
     ]
 
@@ -225,13 +224,13 @@ def _one_rank_differs_suite(rank: int, world: int, variant: str) -> list[str]:
     if variant == "negative-start":
         args = dict(input=hidden, target=target, vocab_start_index=-1 if rank == 0 else 102)
         expected = r"vocab_start_index must be >= 0 on every rank, got \[-1, 102\]"
-    else:  # "debug-sp-shard-size": rank 1's sequence shard is one position short
+    else:  # "sp-shard-size": rank 1's sequence shard is one position short
         # ... and its target matches it, so each rank's own checks pass: only the comparison of
         # the ranks' signatures can tell (the shapes of input and target differ).
         half = S // 2
         rows = half - rank
         args = dict(input=hidden[rank * half:rank * half + rows], target=target[:2 * rows],
-                    sequence_parallel=True, debug=True)
+                    sequence_parallel=True)
         expected = (r"ranks disagree on input \(rank 0: \(6, 3, 37\) float32, rank 1: "
                     r"\(5, 3, 37\) float32\); target")
     try:
@@ -250,6 +249,6 @@ def test_negative_start_on_one_rank_raises_everywhere(tmp_path):
                  timeout_s=SHORT_TIMEOUT_S, interpret=True)
 
 
-def test_debug_catches_sp_shard_size_disagreement(tmp_path):
-    run_on_ranks(2, _one_rank_differs_suite, "debug-sp-shard-size", out_dir=tmp_path,
+def test_agreement_catches_sp_shard_size_disagreement(tmp_path):
+    run_on_ranks(2, _one_rank_differs_suite, "sp-shard-size", out_dir=tmp_path,
                  timeout_s=SHORT_TIMEOUT_S, interpret=True)

@@ -37,8 +37,7 @@ def gpu_cases() -> list[dict]:
         case("bf16-mean-bias", "cce", V, dtype=BF16, bias=True),
         case("bf16-sp-none-lse-padding-softcap", "cce", V_PADDED, vocab_size=V, dtype=BF16,
              sp=True, reduction="none", return_lse=True, softcap=30.0),
-        case("bf16-sp-tiles-debug", "cce", V, dtype=BF16, sp=True, backward="tiles",
-             debug=True),
+        case("bf16-sp-tiles", "cce", V, dtype=BF16, sp=True, backward="tiles"),
         case("bf16-uniform-smoothing-zloss", "cce", V, dtype=BF16, regime="near-uniform",
              label_smoothing=0.1, z_loss=1e-4),
         case("bf16-sp-chunked-bias", "chunked", V, dtype=BF16, sp=True, bias=True),
@@ -47,9 +46,9 @@ def gpu_cases() -> list[dict]:
         # The backward from the forward's kept logits (16-bit exponentials on the GPU).
         case("bf16-sp-kept-everything-padding", "cce", V_PADDED, vocab_size=V, dtype=BF16,
              sp=True, bias=True, reduction="sum", label_smoothing=0.1, softcap=30.0,
-             z_loss=1e-4, return_lse=True, recompute_logits=False),
+             z_loss=1e-4, return_lse=True, keep_logits=True),
         case("bf16-uniform-kept-accumulator", "cce", V, dtype=BF16, regime="near-uniform",
-             accumulate=True, recompute_logits=False),
+             accumulate=True, keep_logits=True),
     ]
 
 

@@ -1,5 +1,5 @@
-"""lce_train.pp_memory (the per-stage memory model and recommender) and
-scripts/pp_memory_balance.py, on the CPU in a few seconds: each term against a hand count, the
+"""lce_train.pp_memory (the per-stage memory model), lce_train.pp_split (the recommender) and
+lce_train.pp_memory_balance, on the CPU in a few seconds: each term against a hand count, the
 recommender against brute force on small cases, the script on every shipped config."""
 
 import dataclasses
@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from lce_train import pp_memory as pm
-from lce_train import pp_memory_balance
+from lce_train import pp_memory_balance, pp_split
 from lce_train.configs import ModelConfig, known_models, load_model_config
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-DOCS = SCRIPTS.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 TINY = load_model_config("tiny")  # h 64, 4 heads x 16, 4 kv groups, ffn 256, vocab 1000, 2 layers
 # ffn = 8h/3: a gated MLP that stores as much as the paper's 4h GeLU MLP (6 f / h = 16).
@@ -163,17 +162,17 @@ def test_recommender_is_brute_force_optimal(shape, layout, loss):
     lay = pm.Layout(loss=loss, **layout)
     every = list(_compositions(cfg.num_layers, lay.pp))
     best = min(pm.peak(cfg, lay, sp) for sp in every)
-    assert pm.peak(cfg, lay, pm.best_any(cfg, lay)) == pytest.approx(best)
+    assert pm.peak(cfg, lay, pp_split.best_any(cfg, lay)) == pytest.approx(best)
     family = [sp for sp in every if len(set(sp[1:-1])) <= 1]
     best_family = min(pm.peak(cfg, lay, sp) for sp in family)
-    assert pm.peak(cfg, lay, pm.best_first_last(cfg, lay)) == pytest.approx(best_family)
-    rec = pm.recommend(cfg, lay)
+    assert pm.peak(cfg, lay, pp_split.best_first_last(cfg, lay)) == pytest.approx(best_family)
+    rec = pp_split.recommend(cfg, lay)
     assert rec.peak == pytest.approx(best)
     if cfg.num_layers % lay.pp == 0:
         assert rec.peak <= pm.peak(cfg, lay, [cfg.num_layers // lay.pp] * lay.pp)
     if rec.flags:
         first, last = rec.split[0], rec.split[-1]
-        assert pm.stage_layer_counts(cfg.num_layers, lay.pp, first, last) == rec.split
+        assert pp_split.stage_layer_counts(cfg.num_layers, lay.pp, first, last) == rec.split
 
 
 def test_recommender_interleaved_brute_force():
@@ -181,29 +180,29 @@ def test_recommender_interleaved_brute_force():
     lay = pm.Layout(pp=2, vpp=2, num_microbatches=4, seq_length=1024)
     family = [sp for sp in _compositions(10, 4) if sp[1] == sp[2]]
     best = min(pm.peak(cfg, lay, sp) for sp in family)
-    rec = pm.recommend(cfg, lay)
+    rec = pp_split.recommend(cfg, lay)
     assert rec.peak == pytest.approx(best) and rec.flags is None
     assert rec.layout.count("|") == 3 and rec.layout.startswith("E") and rec.layout.endswith("L")
 
 
 def test_layout_string():
-    assert pm.layout_string([3, 4, 1]) == "Et*3|t*4|t,L"
-    assert pm.layout_string([0, 2, 0]) == "E|t*2|L"
+    assert pp_split.layout_string([3, 4, 1]) == "Et*3|t*4|t,L"
+    assert pp_split.layout_string([0, 2, 0]) == "E|t*2|L"
 
 
 def test_cce_buys_brute_force():
     cfg = dataclasses.replace(TINY, num_layers=8, vocab_size=256000)
     lay = pm.Layout(pp=4, num_microbatches=8, seq_length=1024)
-    budget = pm.rebalanced_peak(cfg, lay)
+    budget = pp_split.rebalanced_peak(cfg, lay)
     cce = lay.replace(loss="cce")
-    fits = lambda **kw: pm.rebalanced_peak(cfg, cce.replace(**kw)) <= budget
-    pp = pm.fewest_stages(cfg, cce, budget)
+    fits = lambda **kw: pp_split.rebalanced_peak(cfg, cce.replace(**kw)) <= budget
+    pp = pp_split.fewest_stages(cfg, cce, budget)
     assert pp == min(p for p in range(1, 9) if fits(pp=p))
-    seq = pm.largest(cfg, cce, "seq_length", budget, step=128)
+    seq = pp_split.largest(cfg, cce, "seq_length", budget, step=128)
     assert seq > 1024 and fits(seq_length=seq) and not fits(seq_length=seq + 128)
-    mb = pm.largest(cfg, cce, "micro_batch", budget)
+    mb = pp_split.largest(cfg, cce, "micro_batch", budget)
     assert fits(micro_batch=mb) and not fits(micro_batch=mb + 1)
-    assert pm.largest(cfg, cce, "micro_batch", 1.0) is None
+    assert pp_split.largest(cfg, cce, "micro_batch", 1.0) is None
 
 
 def test_layout_validation():
@@ -215,7 +214,7 @@ def test_layout_validation():
 
 
 def test_script_help():
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "pp_memory_balance.py"), "--help"],
+    proc = subprocess.run([sys.executable, "-m", "lce_train.pp_memory_balance", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--measure" in proc.stdout
 
@@ -268,7 +267,7 @@ def _documented_studies() -> list[tuple[str, str]]:
     blocks = re.findall(r"^```(\w*)\n(.*?)^```", (DOCS / "pp_memory_balance.md").read_text(),
                         flags=re.S | re.M)
     return [(command, output) for (lang, command), (next_lang, output) in zip(blocks, blocks[1:])
-            if lang == "bash" and next_lang == "" and "pp_memory_balance.py" in command]
+            if lang == "bash" and next_lang == "" and command.startswith("lce-pp-memory-balance ")]
 
 
 def test_the_doc_shows_what_its_commands_print(tmp_path, capsys):
@@ -278,8 +277,8 @@ def test_the_doc_shows_what_its_commands_print(tmp_path, capsys):
     assert len(studies) == 2, studies
     for command, shown in studies:
         words = shlex.split(command.replace("\\\n", " "))
-        assert words[:2] == ["python", "scripts/pp_memory_balance.py"], words
-        argv = words[2:]
+        assert words[0] == "lce-pp-memory-balance", words
+        argv = words[1:]
         csv = argv.index("--csv") + 1
         assert not argv[csv].startswith("docs/"), "the doc's command must not write into docs/"
         name = Path(argv[csv]).name

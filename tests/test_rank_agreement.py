@@ -8,7 +8,7 @@ hung until the process-group timeout, or returned different losses.
 
 Each spawned run has a short process-group timeout and pytest's own timeout, so a regression
 fails within a minute instead of hanging CI. The host group that NCCL groups get is made here on
-gloo, and scripts/bench_agreement.py runs its CPU smoke mode.
+gloo, and scripts/studies/bench_agreement.py runs its CPU smoke mode.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_bench_agreement_runs_on_cpu():
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "scripts" / "bench_agreement.py"), "--cpu-smoke", "--iters", "1",
+           str(root / "scripts" / "studies" / "bench_agreement.py"), "--cpu-smoke", "--iters", "1",
            "--warmup", "0", "--agree-iters", "2"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

@@ -37,7 +37,7 @@ N, V, D = 45, 131, 24
 PATHS = [
     ("cce-gemm", dict(impl="cce", backward="gemm")),
     ("cce-tiles", dict(impl="cce", backward="tiles")),
-    ("cce-kept", dict(impl="cce", backward="gemm", recompute_logits=False)),
+    ("cce-kept", dict(impl="cce", backward="gemm", keep_logits=True)),
     ("chunked-vocab", dict(impl="chunked", chunk_by="vocab", vocab_chunk_size=48)),
     ("chunked-tokens", dict(impl="chunked", chunk_by="tokens", token_chunk_size=16)),
     ("torch", dict(impl="torch")),

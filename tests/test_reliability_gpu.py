@@ -28,7 +28,7 @@ N, V = 1000, 5003
 PATHS = {
     "cce-gemm": dict(impl="cce", backward="gemm"),
     "cce-tiles": dict(impl="cce", backward="tiles"),
-    "cce-kept": dict(impl="cce", backward="gemm", recompute_logits=False),
+    "cce-kept": dict(impl="cce", backward="gemm", keep_logits=True),
     "chunked": dict(impl="chunked"),
 }
 

@@ -1,4 +1,4 @@
-"""scripts/training_equivalence.py: the experiment's config, the run matrix, the report.
+"""lce_train.training_equivalence: the experiment's config, the run matrix, the report.
 
 The config's every command is parsed by the launcher's own parser; the report's target checks
 are run on synthetic logs that pass and on logs that must fail; and `run --cpu-smoke` trains two
@@ -28,12 +28,11 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
 
 
 def _script(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "training_equivalence.py"), *argv],
+    proc = subprocess.run([sys.executable, "-m", "lce_train.training_equivalence", *argv],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n"

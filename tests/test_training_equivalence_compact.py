@@ -1,4 +1,4 @@
-"""scripts/training_equivalence.py compact: one small file in place of a folder of run logs, from
+"""lce_train.training_equivalence compact: one small file in place of a folder of run logs, from
 which ``report`` writes the same table, CSV and target lines as from the logs themselves; and
 the committed file of docs/training_equivalence/ still yields the numbers its page shows."""
 
@@ -17,13 +17,13 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "training_equivalence.py"
 DOCS = ROOT / "docs" / "training_equivalence"
 
 
 def _script(*argv: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "lce_train.training_equivalence", *argv],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

@@ -43,7 +43,7 @@ CASES = {
     "bf16-gemm": dict(backward="gemm"),
     "bf16-tiles": dict(backward="tiles"),
     "bf16-lean": dict(scratch_mb=12.0),
-    "bf16-kept-logits": dict(recompute_logits=False),
+    "bf16-kept-logits": dict(keep_logits=True),
     "bf16-deterministic": dict(deterministic=True, backward="tiles"),
     "bf16-chunked": dict(impl="chunked"),
 }

@@ -120,12 +120,14 @@ BAD_INPUTS = [
      r"filter_eps must be 'safe', 'paper'"),
     ("round-logits-not-bool", lambda p: {}, {"round_logits": "bf16"}, TypeError,
      r"round_logits must be a bool, got 'bf16'"),
-    ("recompute-logits-not-bool", lambda p: {}, {"recompute_logits": 0}, TypeError,
-     r"recompute_logits must be a bool, got 0"),
+    ("keep-logits-not-bool", lambda p: {}, {"keep_logits": 0}, TypeError,
+     r"keep_logits must be a bool, got 0"),
+    ("recompute-logits-renamed", lambda p: {}, {"recompute_logits": False}, TypeError,
+     r"recompute_logits was renamed: pass keep_logits=not recompute_logits"),
     ("fp32-weight-grad-not-bool", lambda p: {}, {"fp32_weight_grad": "yes"}, TypeError,
      r"fp32_weight_grad must be a bool, got 'yes'"),
-    ("kept-logits-with-tiles", lambda p: {}, {"recompute_logits": False, "backward": "tiles"},
-     ValueError, r"recompute_logits=False needs backward='gemm' or 'auto'"),
+    ("kept-logits-with-tiles", lambda p: {}, {"keep_logits": True, "backward": "tiles"},
+     ValueError, r"keep_logits=True needs backward='gemm' or 'auto'"),
     ("deterministic-not-bool", lambda p: {}, {"deterministic": 1}, TypeError,
      r"deterministic must be a bool, got 1"),
     ("filter-eps-negative", lambda p: {}, {"filter_eps": -1e-6}, ValueError,
@@ -298,6 +300,18 @@ def test_old_spelling_of_the_in_forward_backward_is_refused_naming_the_new_one()
 
     with pytest.raises(ValueError, match="backward='forward' is now spelled backward='in_forward'"):
         LCEOptions(backward="forward")
+
+
+def test_renamed_keyword_is_refused_naming_the_new_one_by_every_entry():
+    from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    renamed = "recompute_logits was renamed: pass keep_logits=not recompute_logits"
+    p = _problem()
+    for call in (lambda: LinearCrossEntropy(recompute_logits=False),
+                 lambda: vocab_parallel_linear_cross_entropy(
+                     p["input"], p["weight"], p["target"], recompute_logits=False)):
+        with pytest.raises(TypeError, match=renamed):
+            call()
 
 
 # ---------------------------------------------------------------------------------------------

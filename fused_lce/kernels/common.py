@@ -46,7 +46,7 @@ def fold_tile(logits, run_max, run_sum_exp):
     """Fold a (rows, cols) tile of logits into each row's online max and sum of exp(z - max).
 
     Returns (max, sum_exp, exp(logits - shift)). Masked entries must be -inf. The rule every
-    merge follows (kernels/softmax_merge.py is its torch twin): a row that has seen no
+    merge follows (fused_lce/softmax_merge.py is its torch twin): a row that has seen no
     finite logit yet, as where a -inf bias masks whole tiles, is shifted by 0 rather than by its
     max of -inf, so its sum stays exp(-inf) = 0 instead of exp(-inf - -inf) = NaN.
     """

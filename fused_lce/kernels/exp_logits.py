@@ -8,7 +8,8 @@ For a chunk of rows whose target logits ``c`` are known before the GEMM:
                     epilogue from its fp32 accumulator, with each row's max and sum-exp
 
 Then a row's logit gradient is ``G[n] = s_n E[n]`` plus its target column, with
-``s_n = p_coef_n exp(c_n - lse_n)``. The two gradient GEMMs take E as it is:
+``s_n = p_coef_n exp(c_n - lse_n)``. The two gradient GEMMs take E as it is, with the small
+kernels of exp_logits_grad.py around them:
 
     dE[n] = s_n (E @ C)[n] + g_n C[y_n]            row_scales, then finish_input_grad
     dC    = E.T @ (s * E_in) + sum_n g_n e_n^T     row_scales' scaled rows, then add_target_rows
@@ -101,7 +102,7 @@ def _exponentials_epilogue(
     out_ptr, out_desc, stride_out,
     BLOCK_COLS: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
     ROUND: tl.constexpr, ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ALWAYS_MAX: tl.constexpr, PLAIN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """log sum exp per row of one (rows, BLOCK_COLS) block of the GEMM's accumulator, the
     target's column left out, storing exp(logit - offset) where asked.
@@ -110,29 +111,20 @@ def _exponentials_epilogue(
     shift, so the terms are exp(logit - offset) themselves, and only where one of the block's
     rows overflows (a logit 88 nats over its offset) or is NaN are its sums taken again against
     max(offset, the block's max). The stored exponentials of such a row are out of range too;
-    ``_repair_kernel`` stores them again. ``ALWAYS_MAX`` takes the max in every block (the
-    epilogue of 2026-11-27, for ``scripts/tune_exp_logits.py``). ``PLAIN`` stores the logits
-    themselves and sums nothing: the GEMM's cost without the exponentials, for the same script.
+    ``_repair_kernel`` stores them again.
     """
     cols = col0 + tl.arange(0, BLOCK_COLS)
-    if PLAIN:
-        if STORE_TMA:
-            out_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
-        return tl.zeros_like(offset)
     col_mask = cols < n_cols
     logits, capped = logit_epilogue(acc, bias_ptr, cols, col_mask, softcap, HAS_BIAS,
                                     HAS_SOFTCAP, ROUND)
     keep = ((row_mask & (column != _IGNORED))[:, None] & col_mask[None, :]
             & (cols[None, :] != column[:, None]))
-    if ALWAYS_MAX:
-        exps, log_sum = _shifted_exps(logits, keep, offset)
-    else:
-        # exp2 of pre-scaled differences: one FMA and one MUFU.EX2 per logit.
-        exps = tl.where(keep, tl.exp2(logits * _LOG2E - (offset * _LOG2E)[:, None]), 0.0)
-        sums = tl.sum(exps, axis=1)
-        log_sum = offset + tl.log(sums)
-        if tl.min((sums < float("inf")).to(tl.int32), axis=0) == 0:
-            _, log_sum = _shifted_exps(logits, keep, offset)
+    # exp2 of pre-scaled differences: one FMA and one MUFU.EX2 per logit.
+    exps = tl.where(keep, tl.exp2(logits * _LOG2E - (offset * _LOG2E)[:, None]), 0.0)
+    sums = tl.sum(exps, axis=1)
+    log_sum = offset + tl.log(sums)
+    if tl.min((sums < float("inf")).to(tl.int32), axis=0) == 0:
+        log_sum = _shifted_log_sum(logits, keep, offset)
     if STORE:
         if HAS_SOFTCAP:
             exps *= softcap_derivative(capped)
@@ -146,15 +138,14 @@ def _exponentials_epilogue(
 
 
 @triton.jit
-def _shifted_exps(logits, keep, offset):
-    """(exp(logit - offset), log sum exp) of the kept logits, the sum taken against the larger of
-    the offset and the row's max: exact for any logits."""
+def _shifted_log_sum(logits, keep, offset):
+    """log sum exp of the kept logits, the sum taken against the larger of the offset and the
+    row's max: exact for any logits."""
     logits = tl.where(keep, logits, float("-inf"))
     shift = tl.maximum(offset, tl.max(logits, axis=1))
     shift = tl.where(shift == float("-inf"), 0.0, shift)  # fold_tile's rule: no -inf - -inf
     exps = tl.exp2((logits - shift[:, None]) * _LOG2E)
-    log_sum = shift + tl.log(tl.sum(exps, axis=1))
-    return exps * tl.exp2((shift - offset) * _LOG2E)[:, None], log_sum
+    return shift + tl.log(tl.sum(exps, axis=1))
 
 
 @triton.heuristics(when_given(HAS_BIAS="bias_ptr", HAS_SOFTCAP="softcap"))
@@ -166,8 +157,7 @@ def _exp_logits_kernel(
     softcap,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PROGRAMS: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr, STORE_TMA: tl.constexpr,
-    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
-    ALWAYS_MAX: tl.constexpr, PLAIN: tl.constexpr,
+    SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND: tl.constexpr,
     ROUND_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
@@ -177,7 +167,7 @@ def _exp_logits_kernel(
     col_tiles = tl.cdiv(n_cols, BLOCK_V)
     per_group = GROUP * col_tiles
     for tile in tl.range(tl.program_id(0), row_tiles * col_tiles, PROGRAMS,
-                         flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+                         warp_specialize=WARP_SPECIALIZE):
         first_row_tile = tile // per_group * GROUP
         group_rows = min(row_tiles - first_row_tile, GROUP)
         row_tile = first_row_tile + (tile % per_group) % group_rows
@@ -203,17 +193,17 @@ def _exp_logits_kernel(
             log_left = _exponentials_epilogue(
                 left, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE, STORE_TMA, ROUND,
-                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
+                ROUND_OUT, HAS_BIAS, HAS_SOFTCAP)
             log_right = _exponentials_epilogue(
                 right, rows, row_mask, row0, col0 + BLOCK_V // 2, n_cols, offset, column,
                 bias_ptr, softcap, out_ptr, out_desc, stride_out, BLOCK_V // 2, STORE,
-                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
+                STORE_TMA, ROUND, ROUND_OUT, HAS_BIAS, HAS_SOFTCAP)
             log_sum = _log_add(log_left, log_right)
         else:
             log_sum = _exponentials_epilogue(
                 acc, rows, row_mask, row0, col0, n_cols, offset, column, bias_ptr, softcap,
                 out_ptr, out_desc, stride_out, BLOCK_V, STORE, STORE_TMA, ROUND, ROUND_OUT,
-                HAS_BIAS, HAS_SOFTCAP, ALWAYS_MAX, PLAIN)
+                HAS_BIAS, HAS_SOFTCAP)
         tl.store(part_sum_ptr + col_tile * n_rows + rows, log_sum, mask=row_mask)
 
 
@@ -316,163 +306,16 @@ def _repair_kernel(
                          mask=bad[:, None] & col_mask[None, :])
 
 
-@triton.heuristics(when_given(HAS_SOFTCAP="softcap", WANT_SCALED="out_ptr"))
-@triton.jit
-def _row_scales_kernel(
-    x_ptr, out_ptr, scale_ptr, target_grad_out_ptr,
-    lse_ptr, offset_ptr, p_coef_ptr, target_grad_ptr, column_ptr,
-    n_rows, d_model, stride_xn, stride_xd, stride_out, softcap,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    WANT_SCALED: tl.constexpr, ROUND_OUT: tl.constexpr,
-):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_mask = rows < n_rows
-    p_coef = tl.load(p_coef_ptr + rows, mask=row_mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    offset = tl.load(offset_ptr + rows, mask=row_mask, other=0.0)
-    # A zero coefficient (an ignored or masked row) gives a zero scale whatever its statistics;
-    # a row that _repair_kernel stored against its lse is the softmax itself.
-    scale = tl.where(_out_of_range(lse, offset), p_coef, p_coef * tl.exp(offset - lse))
-    scale = tl.where(p_coef == 0.0, 0.0, scale)
-    tl.store(scale_ptr + rows, scale, mask=row_mask)
-    owned = row_mask & (tl.load(column_ptr + rows, mask=row_mask, other=_IGNORED) >= 0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=owned, other=0.0)
-    if HAS_SOFTCAP:
-        # The offset is the capped target logit z = cap * tanh(x / cap).
-        target_grad *= softcap_derivative(offset / softcap)
-    tl.store(target_grad_out_ptr + rows, tl.where(owned, target_grad, 0.0), mask=row_mask)
-    if WANT_SCALED:
-        for d0 in range(0, d_model, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            both = row_mask[:, None] & (d < d_model)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xn + d[None, :] * stride_xd, mask=both,
-                        other=0.0).to(tl.float32)
-            scaled = round_logits(x * scale[:, None], ROUND_OUT)
-            tl.store(out_ptr + rows[:, None] * stride_out + d[None, :],
-                     scaled.to(out_ptr.dtype.element_ty), mask=both)
-
-
-@triton.jit
-def _finish_input_grad_kernel(
-    grad_ptr, w_ptr, scale_ptr, target_grad_ptr, column_ptr,
-    n_rows, d_model, stride_gn, stride_wv, stride_wd,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_OUT: tl.constexpr,
-):
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_mask = rows < n_rows
-    both = row_mask[:, None] & (d < d_model)[None, :]
-    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    target_grad = tl.load(target_grad_ptr + rows, mask=row_mask, other=0.0)
-    column = tl.load(column_ptr + rows, mask=row_mask, other=_IGNORED).to(tl.int64)
-    owned = row_mask & (column >= 0)
-    ptrs = grad_ptr + rows[:, None] * stride_gn + d[None, :]
-    grad = tl.load(ptrs, mask=both, other=0.0).to(tl.float32) * scale[:, None]
-    w = tl.load(w_ptr + tl.where(owned, column, 0)[:, None] * stride_wv + d[None, :] * stride_wd,
-                mask=both & owned[:, None], other=0.0).to(tl.float32)
-    grad += target_grad[:, None] * w
-    tl.store(ptrs, round_logits(grad, ROUND_OUT).to(grad_ptr.dtype.element_ty), mask=both)
-
-
-@triton.heuristics(when_given(HAS_WEIGHT_GRAD="grad_ptr", HAS_BIAS_GRAD="bias_grad_ptr"))
-@triton.jit
-def _add_target_rows_kernel(
-    grad_ptr, x_ptr, bias_grad_ptr, sorted_column_ptr, order_ptr, target_grad_ptr,
-    n_rows, d_model, stride_gv, stride_xn, stride_xd,
-    PIECE: tl.constexpr, TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WEIGHT_GRAD: tl.constexpr, HAS_BIAS_GRAD: tl.constexpr, ROUND_OUT: tl.constexpr,
-):
-    # Grid (piece of PIECE sorted positions, D block). Each run of equal targets is summed by the
-    # piece where it starts: its part in the piece through a same-target mask product, the rest
-    # (only a piece's last run can go on) TAIL positions a step after it. Fixed order, fp32, one
-    # rounding of each weight row: deterministic, and a frequent token's long run (a Zipf
-    # vocabulary's first token holds about a seventh of the tokens) costs a few steps of one
-    # program rather than a program per row.
-    positions = tl.program_id(0) * PIECE + tl.arange(0, PIECE)
-    in_range = positions < n_rows
-    column = tl.load(sorted_column_ptr + positions, mask=in_range, other=-1)
-    before = tl.load(sorted_column_ptr + tl.maximum(positions - 1, 0), mask=in_range, other=-1)
-    starts = in_range & (column >= 0) & ((positions == 0) | (before != column))
-    rows = tl.load(order_ptr + positions, mask=in_range, other=0).to(tl.int64)
-    coef = tl.load(target_grad_ptr + rows, mask=in_range, other=0.0)
-    same = (column[:, None] == column[None, :]).to(tl.float32)
-    # The piece's last run, followed into the pieces after it.
-    last = tl.max(tl.where(in_range, column, -1), axis=0)
-    tail_start = tl.program_id(0) * PIECE + PIECE
-    started_here = tl.sum((starts & (column == last)).to(tl.int32), axis=0) > 0
-    follows = (tail_start < n_rows) & (last >= 0) & started_here
-    if follows:
-        follows = tl.load(sorted_column_ptr + tl.minimum(tail_start, n_rows - 1)) == last
-    is_last_run = (column == last)[:, None]
-    if HAS_WEIGHT_GRAD:
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_mask = d < d_model
-        x = tl.load(x_ptr + rows[:, None] * stride_xn + d[None, :] * stride_xd,
-                    mask=in_range[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-        sums = tl.dot(same, coef[:, None] * x, input_precision="ieee")
-    coef_sums = tl.sum(same * coef[None, :], axis=1)
-    tail = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    tail_coef = 0.0
-    next_start = tail_start
-    while follows:
-        later = next_start + tl.arange(0, TAIL)
-        in_run = (later < n_rows) & (
-            tl.load(sorted_column_ptr + later, mask=later < n_rows, other=-1) == last)
-        later_rows = tl.load(order_ptr + later, mask=in_run, other=0).to(tl.int64)
-        later_coef = tl.load(target_grad_ptr + later_rows, mask=in_run, other=0.0)
-        tail_coef += tl.sum(later_coef, axis=0)
-        if HAS_WEIGHT_GRAD:
-            later_x = tl.load(x_ptr + later_rows[:, None] * stride_xn + d[None, :] * stride_xd,
-                              mask=in_run[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-            tail += tl.sum(later_coef[:, None] * later_x, axis=0)
-        next_start += TAIL
-        # A run is contiguous: it goes on only if it filled this step.
-        follows = tl.sum(in_run.to(tl.int32), axis=0) == TAIL
-    column = column.to(tl.int64)
-    if HAS_WEIGHT_GRAD:
-        sums += tl.where(is_last_run, tail[None, :], 0.0)
-        ptrs = grad_ptr + column[:, None] * stride_gv + d[None, :]
-        write = starts[:, None] & d_mask[None, :]
-        grad = tl.load(ptrs, mask=write, other=0.0).to(tl.float32) + sums
-        tl.store(ptrs, round_logits(grad, ROUND_OUT).to(grad_ptr.dtype.element_ty), mask=write)
-    if HAS_BIAS_GRAD:
-        if tl.program_id(1) == 0:
-            coef_sums += tl.where(column == last, tail_coef, 0.0)
-            bias_ptrs = bias_grad_ptr + column
-            tl.store(bias_ptrs, tl.load(bias_ptrs, mask=starts, other=0.0) + coef_sums,
-                     mask=starts)
-
-
 @dataclass(frozen=True)
 class ExpLogitsConfig:
-    """The GEMM's tiles and launch, and how its epilogue runs: in ``split`` parts of the tile,
-    in its own warps (``warp_specialize``, Hopper and newer), and with each block's row max
-    taken always (``always_max``, the first epilogue; for comparisons) or only where a row
-    leaves exp's range. ``group`` row tiles are walked together, sharing weight tiles in L2
-    (None: ``_row_tile_group``'s choice). ``flatten`` pipelines the tiles' loop and their
-    reduction loop as one, so a tile's first loads overlap the previous tile's epilogue (no
-    measurable gain in the step: scripts/tune_exp_logits.py's note). ``plain`` stores the logits
-    with no exponentials nor sums (wrong statistics: only for timing the GEMM alone in
-    scripts/tune_exp_logits.py). ``programs_per_sm`` persistent programs share each
-    multiprocessor: with tiles small enough for two to be resident, one program's epilogue can
-    run while the other's MMAs do, which Triton's Hopper warp specialisation does not arrange
-    within one program (no gain on an H100: 128 x 128 tiles run 18-31% behind cuBLAS even
-    with no epilogue, scripts/tune_exp_logits.py's note)."""
+    """The GEMM's tiles and launch, and how its epilogue runs: in ``split`` parts of the tile
+    (1 or 2) and in its own warps (``warp_specialize``, Hopper and newer). ``group`` row tiles
+    are walked together, sharing weight tiles in L2 (None: ``_row_tile_group``'s choice)."""
 
     tile: TileConfig
     split: int = 1
     warp_specialize: bool = False
-    always_max: bool = False
     group: int | None = None
-    flatten: bool = False
-    plain: bool = False
-    programs_per_sm: int = 1
-
-    def __post_init__(self):
-        # Zero programs would launch an empty grid: statistics left unwritten, no error.
-        if not isinstance(self.programs_per_sm, int) or self.programs_per_sm < 1:
-            raise ValueError(f"programs_per_sm must be an integer >= 1, got "
-                             f"{self.programs_per_sm!r}")
 
 
 def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
@@ -486,11 +329,13 @@ def _row_tile_group(config: ExpLogitsConfig, n_cols: int) -> int:
 # Measured with scripts/tune_exp_logits.py on an H100 over chunks of 4096 tokens
 # (docs/benchmarks/single_gpu.md): 128 x 256 x 64 tiles in 3 stages, the epilogue in
 # two halves of the tile: 0.99-1.10x cuBLAS's plain GEMM, the best mean of seven variants (whole
-# epilogues, 4 stages, 256 x 128, the always-max epilogue); 128-deep tiles in 2 stages were
-# 1.27-1.43x. The same GEMM storing plain logits runs at 1.00-1.01x cuBLAS (2026-11-27, commit
-# 70bfb7c), so the rest is the exponentials' arithmetic, which Hopper's warp specialisation in
-# Triton (a loading warp, the MMA and epilogue in the same warps) does not overlap with the next
-# tile's MMAs.
+# epilogues, 4 stages, 256 x 128, an epilogue taking every block's max); 128-deep tiles in 2
+# stages were 1.27-1.43x. A variant storing plain logits ran at 1.00-1.01x cuBLAS (2026-11-27,
+# commit 70bfb7c), so the rest is the exponentials' arithmetic, which Hopper's warp
+# specialisation in Triton (a loading warp, the MMA and epilogue in the same warps) does not
+# overlap with the next tile's MMAs. Flattened tile loops (no gain in the step) and two programs
+# per SM (128 x 128 tiles, 18-31% behind cuBLAS) were closed (docs/benchmarks/single_gpu.md);
+# those variants are in git, in this file and the tuner at commit 10497e6.
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.
     "interpreter": ExpLogitsConfig(TileConfig(64, 128, 64, num_warps=4, num_stages=1), split=2),
@@ -591,8 +436,7 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             w_desc = tma_descriptor(weight, cfg.block_v, cfg.block_d)
         if store_tma:
             out_desc = tma_descriptor(out, cfg.block_n, cfg.block_v // config.split)
-        programs = min(triton.cdiv(n_rows, cfg.block_n) * col_tiles,
-                       num_sms(hidden.device) * config.programs_per_sm)
+        programs = min(triton.cdiv(n_rows, cfg.block_n) * col_tiles, num_sms(hidden.device))
         _exp_logits_kernel[(programs,)](
             hidden, weight, x_desc, w_desc, out, out_desc, bias, offset, columns, part_sum,
             n_rows, n_cols, d_model, hidden.stride(0), hidden.stride(1), weight.stride(0),
@@ -602,7 +446,6 @@ def exp_logits(hidden, weight, bias, columns, offset, out, *, softcap: float | N
             PROGRAMS=programs, TMA=tma, STORE=out is not None, STORE_TMA=store_tma,
             # Warp specialisation was measured over tensor descriptors only.
             SPLIT=config.split, WARP_SPECIALIZE=config.warp_specialize and tma,
-            FLATTEN=config.flatten, ALWAYS_MAX=config.always_max, PLAIN=config.plain and store_tma,
             DOT_FP32=dot_fp32, DOT_PRECISION=precision,
             ROUND=round_code(hidden.dtype, round_16bit),
             ROUND_OUT=0 if out is None else _out_round(out.dtype),
@@ -641,80 +484,4 @@ def repair_exponentials(hidden, weight, bias, columns, offset, lse, out, *,
         CHECK=64 if INTERPRET else 2048, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
         ROUND=round_code(hidden.dtype, round_16bit), ROUND_OUT=_out_round(out.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
-def row_scales(hidden, lse, offset, p_coef, target_grad, columns, *, softcap: float | None,
-               out: torch.Tensor | None = None, target_grad_out: torch.Tensor | None = None):
-    """(s, g), (N,) fp32 each: s_n = p_coef exp(offset - lse), which turns a row of E into G's,
-    and g_n, the target column's gradient (times the cap's derivative; 0 where this shard does
-    not own the target), written into ``target_grad_out`` where given. With ``out`` (rows x D,
-    unit column stride) also s * hidden, rounded to out's dtype: the weight gradient's
-    right-hand operand."""
-    # Check constraints.
-    n_rows, d_model = hidden.shape
-    _check_row_vectors(n_rows, columns, lse=lse, offset=offset, p_coef=p_coef,
-                       target_grad=target_grad)
-    if out is not None:
-        _check_rows("out", out, n_rows, d_model)
-    scale = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
-    if target_grad_out is None:
-        target_grad_out = torch.empty_like(scale)
-    else:
-        check_vector("target_grad_out", target_grad_out, n_rows, (torch.float32,))
-    block_n, block_d = (16, 128) if INTERPRET else (8, 512)
-    if n_rows > 0:
-        _row_scales_kernel[(triton.cdiv(n_rows, block_n),)](
-            hidden, out, scale, target_grad_out, lse, offset, p_coef, target_grad, columns,
-            n_rows, d_model, hidden.stride(0), hidden.stride(1),
-            0 if out is None else out.stride(0), softcap,
-            BLOCK_N=block_n, BLOCK_D=block_d,
-            ROUND_OUT=0 if out is None else _out_round(out.dtype), num_warps=4,
-        )
-    return scale, target_grad_out
-
-
-def finish_input_grad(grad, weight, scale, target_grad, columns) -> None:
-    """In place: grad = s * grad + g * w_y, where ``grad`` (rows x D, unit column stride) holds the
-    chunk's E @ weight."""
-    # Check constraints.
-    n_rows, d_model = grad.shape
-    _check_rows("grad", grad, n_rows, weight.shape[1])
-    _check_row_vectors(n_rows, columns, scale=scale, target_grad=target_grad)
-    block_n, block_d = (16, 128) if INTERPRET else (16, 256)
-    if n_rows > 0 and d_model > 0:
-        _finish_input_grad_kernel[(triton.cdiv(n_rows, block_n), triton.cdiv(d_model, block_d))](
-            grad, weight, scale, target_grad, columns, n_rows, d_model, grad.stride(0),
-            weight.stride(0), weight.stride(1),
-            BLOCK_N=block_n, BLOCK_D=block_d, ROUND_OUT=_out_round(grad.dtype), num_warps=4,
-        )
-
-
-def add_target_rows(weight_grad, hidden, target_grad, columns, bias_grad=None) -> None:
-    """In place: weight_grad[y_n] += g_n * hidden[n] for the rows whose target this shard owns,
-    summed in fp32 in a fixed order and rounded once per weight row; the sums of g_n likewise
-    into ``bias_grad`` (fp32). Either gradient may be None."""
-    # Check constraints.
-    n_rows, d_model = hidden.shape
-    _check_row_vectors(n_rows, columns, target_grad=target_grad)
-    if weight_grad is not None and (weight_grad.dim() != 2 or weight_grad.shape[1] != d_model
-                                    or weight_grad.stride(1) != 1):
-        raise ValueError(f"weight_grad must be a (V, {d_model}) matrix with unit column stride, "
-                         f"got shape {tuple(weight_grad.shape)}")
-    if bias_grad is not None:
-        check_vector("bias_grad", bias_grad, bias_grad.shape[0], (torch.float32,))
-    if n_rows == 0 or (weight_grad is None and bias_grad is None):
-        return
-    sorted_columns, order = torch.sort(columns, stable=True)
-    # scripts/experiment_target_rows.py on an H100 (8192 rows, D = 3072): 32-row pieces and tail
-    # steps over 128 columns in 4 warps, 108-171 us, beat wider tail steps (128 rows over 64 or
-    # 128 columns in 8 warps, 133-185 us) on every target distribution: the pass is bound by
-    # its many programs' gathers, not by the longest run.
-    piece, tail, block_d = (32, 64, 256) if INTERPRET else (32, 32, 128)
-    d_blocks = 1 if weight_grad is None else triton.cdiv(d_model, block_d)
-    _add_target_rows_kernel[(triton.cdiv(n_rows, piece), d_blocks)](
-        weight_grad, hidden, bias_grad, sorted_columns, order, target_grad,
-        n_rows, d_model, 0 if weight_grad is None else weight_grad.stride(0),
-        hidden.stride(0), hidden.stride(1), PIECE=piece, TAIL=tail, BLOCK_D=block_d,
-        ROUND_OUT=0 if weight_grad is None else _out_round(weight_grad.dtype), num_warps=4,
     )

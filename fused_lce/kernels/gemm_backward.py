@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp32_products import accumulate_mm
 from .common import (
     INTERPRET,
     TileConfig,
@@ -43,7 +44,6 @@ from .common import (
     when_given,
 )
 from .lse_forward import KeptLogits, valid_rows
-from .products import accumulate_mm
 
 
 @triton.heuristics(
@@ -214,7 +214,8 @@ def grad_from_kept(kept, row_valid, target_local, lse, coefs, softcap) -> torch.
     return kept.scaled
 
 
-# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md, CHANGELOG.md).
+# Chosen with scripts/studies/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md,
+# CHANGELOG.md).
 _CONFIGS = {
     "interpreter": TileConfig(block_n=64, block_v=128, block_d=64, num_warps=4, num_stages=1),
     "hopper": TileConfig(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
@@ -313,12 +314,12 @@ def lce_backward_gemm(
 
     ``plan`` (a fused_lce.backward_plan.GemmBackwardPlan, made for these arguments by
     ``plan_gemm_backward_for``) names the strategy: "kept" forms G in the storage of ``kept``
-    (the forward's logits, ``recompute_logits=False``), all of it at once, and recomputes no
+    (the forward's logits, ``keep_logits=True``), all of it at once, and recomputes no
     logit (``_backward_from_kept``); "borrowed" keeps the buffers inside d_weight
     (``_backward_in_weight_buffer``); "token_chunks" walks chunks of the planned size
     (``_backward_in_token_chunks``).
 
-    Other arguments as for ``backward.lce_backward``; ``tma`` as for ``lse_forward``;
+    Other arguments as for ``tiles_backward.lce_backward``; ``tma`` as for ``lse_forward``;
     ``d_hidden_dtype`` (default: hidden's) lets a vocabulary shard hand its partial d_hidden to
     the all-reduce in fp32. With
     ``d_weight_accumulator`` (an fp32 (V, D) buffer, e.g. Megatron's ``main_grad``) the weight

@@ -124,7 +124,8 @@ def _check_chunk(logits: torch.Tensor, bias: torch.Tensor | None, target_local: 
 
 def _statistics_config() -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_V, num_warps): one row, wide column blocks. Measured with
-    scripts/tune_logit_rows.py on an H100 over 4096 x 256000 bf16 logits: 0.71 ms (2.97 TB/s),
+    scripts/studies/tune_logit_rows.py on an H100 over 4096 x 256000 bf16 logits: 0.71 ms
+    (2.97 TB/s),
     against 0.74 ms for 2 x 4096, 0.78 ms for 4 x 1024 and 1.39 ms for a copy of the buffer (which
     moves twice the bytes); over 4096 x 32064, 0.102 ms against 0.109 ms. The interpreter wants
     few, big blocks."""

@@ -16,7 +16,7 @@ Optional outputs, each behind a constexpr switch:
 - ``ROW_SUM``: the sum of a row's logits, for label smoothing.
 - ``COL_SUM``: per-column sums of logits over rows (atomic), whose order drives vocab sorting.
 - ``KEEP``: every logit, as exp(logit - the row's running max after its tile) in 16 bits, and
-  that max per row and tile (``recompute_logits=False``). The exponential is in [0, 1], so 16
+  that max per row and tile (``keep_logits=True``). The exponential is in [0, 1], so 16
   bits hold it to their relative precision whatever the logit's size, and the backward turns it
   into a probability with one multiply by exp(max - lse).
 
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..softmax_merge import merge_partials
 from .common import (
     INTERPRET,
     TileConfig,
@@ -52,7 +53,6 @@ from .common import (
     use_tma,
     when_given,
 )
-from .softmax_merge import merge_partials
 
 
 @triton.jit
@@ -195,9 +195,12 @@ def _lse_forward_kernel(
             tl.store(keep_ptrs, scaled.to(keep_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & col_mask[None, :])
             # The last split may run past the vocabulary: its empty tiles have no max to keep.
-            tile = (v_start + v_offset) // BLOCK_V
-            tl.store(keep_max_ptr + rows * stride_keep_max + tile, row_max,
-                     mask=row_mask & (v_start + v_offset < n_vocab))
+            # A branch on the scalar, not a mask term: triton 3.9's interpreter widens a scalar
+            # comparison joined to a mask into int32, which its store refuses ("mask has
+            # unsupported dtype").
+            if v_start + v_offset < n_vocab:
+                tile = (v_start + v_offset) // BLOCK_V
+                tl.store(keep_max_ptr + rows * stride_keep_max + tile, row_max, mask=row_mask)
 
     out = pid_split * stride_split + rows
     tl.store(max_ptr + out, row_max, mask=row_mask)
@@ -206,7 +209,8 @@ def _lse_forward_kernel(
         tl.store(row_sum_ptr + out, row_sum, mask=row_mask)
 
 
-# Chosen with scripts/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md, CHANGELOG.md): the
+# Chosen with scripts/studies/tune_kernels.py on an H100 (docs/benchmarks/single_gpu.md,
+# CHANGELOG.md): the
 # TMA kernel is best with four stages (82% of cuBLAS), the pointer kernel with three (71%).
 _CONFIGS = {
     # Big blocks: the interpreter pays per program and per op, not per element.
@@ -289,7 +293,7 @@ def lse_forward(
         round_16bit: round each logit to the 16-bit input dtype before anything else
             (``LCEOptions.round_logits``).
         keep_logits: also return the logits as :class:`KeptLogits`
-            (``LCEOptions.recompute_logits=False``).
+            (``LCEOptions.keep_logits``).
         tma: False keeps the pointer kernels (``common.use_tma``).
     """
     # Check constraints.

@@ -12,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, num_sms
-from .products import scale_in_fp32_
+from .common import INTERPRET, num_sms, round_code, round_logits
 
 
 @triton.jit
-def _scale_unless_one_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
+def _scale_unless_one_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr,
+                             ROUND_OUT: tl.constexpr):
     scale = tl.load(scale_ptr)
     if scale == 1.0:
         return
@@ -26,7 +26,8 @@ def _scale_unless_one_kernel(x_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < n_elements
         x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_ptr + offsets, round_logits(x * scale, ROUND_OUT).to(x_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -41,10 +42,9 @@ def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         )
     if x.numel() == 0:
         return x
-    if INTERPRET:
-        # The interpreter truncates to 16 bits where the GPU rounds: a bias of its own.
-        return scale_in_fp32_(x, scale)
     block = 1 << 16 if INTERPRET else 2048
     grid = (min(triton.cdiv(x.numel(), block), num_sms(x.device) * 8),)
-    _scale_unless_one_kernel[grid](x, scale, x.numel(), BLOCK=block, num_warps=8)
+    # The interpreter truncates to 16 bits where the GPU rounds: there the kernel rounds first.
+    _scale_unless_one_kernel[grid](x, scale, x.numel(), BLOCK=block,
+                                   ROUND_OUT=round_code(x.dtype, INTERPRET), num_warps=8)
     return x

@@ -1,5 +1,6 @@
-"""Products with a wider accumulator than their operands, through cuBLAS where it can: pure torch
-(no Triton), shared by the Triton strategy's host drivers and the chunked path."""
+"""Products formed in fp32 whatever their operands' dtype (a wider accumulator, one rounding),
+through cuBLAS where it can. Pure torch, no Triton: the Triton strategy, the GEMM backward's host
+driver, the engine and the chunked path share them."""
 
 from __future__ import annotations
 
