@@ -7,6 +7,8 @@
 # configs setup.py | tar -x -C .base`, carried to the GPU machine). scripts/bench_lce.py runs from
 # each tree in turn, ROUNDS times (default 2: base, new, base, new), so the spread between rounds
 # of one tree says what is noise. Each run's output is saved as RESULTS_DIR/<tree>_<round>.log.
+# A base tree that has lce_train.bench_lce_* (the providers, inputs and timers) uses the installed
+# ones, this tree's, as the new run does: only the op differs.
 set -uo pipefail
 results=${1:?usage: BASE=.base bash scripts/bench_before_after.sh RESULTS_DIR}
 base=${BASE:-.base}

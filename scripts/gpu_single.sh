@@ -7,7 +7,7 @@
 # Stages:
 #   setup     install the carried wheels (.whl/: liger-kernel, cut-cross-entropy) and this package
 #   quick     scripts/gpu_quick_check.py: every option group against fp64, TMA and pointer kernels
-#   tune      scripts/tune_kernels.py at the Gemma-2 2B shape, TMA on and off
+#   tune      scripts/studies/tune_kernels.py at the Gemma-2 2B shape, TMA on and off
 #   profile   scripts/profile_lce.py: GPU busy and idle time per step, Gemma and Llama shapes
 #   tests     tests/test_gpu.py (the kernels against fp64 at moderate and large sizes) and
 #             tests/test_reliability_gpu.py (confident tokens, strided arguments)
@@ -15,8 +15,9 @@
 #   bench-n   the same at N = 2048 and 65536 (ours, torch.compile, and the peers that fit)
 #   exp-tests the bf16 walk's GPU tests (kernels/exp_logits.py): one GPU, and 2 and 4 ranks
 #             sharing it over gloo (about 4 minutes)
-#   exp-bench its GEMM against cuBLAS, the host's cost per call, and the step's profile at three
-#             widths and one TP = 8 rank (about 8 minutes)
+#   exp-bench its GEMM against cuBLAS, the host's cost per call (scripts/bench_host.py), and the
+#             step's profile at three widths and one TP = 8 rank
+#             (scripts/studies/profile_default.py; about 8 minutes)
 #   cute-keep  keep the first half of the packed cutlass-dsl compiler (.qk/cu13.part1) and the
 #             wheels (.qk/w: quack-kernels, nvidia-cutlass-dsl 4.7.1, ...) for the next call on
 #             the same warm machine (the device tool carries 64 MiB a call)
@@ -25,7 +26,8 @@
 #             makes .qk/ and says why)
 #   cute-bench MODELS=... REP_MS=...: ours, torch.compile and the CuTe peers at N = 4096 and
 #             8192 (REP_MS 100 fits QuACK's compiles into a call; 400 times steadier)
-#   cute-profile ours and the CuTe peers kernel by kernel (profile_default.py --peers), N = 4096
+#   cute-profile ours and the CuTe peers kernel by kernel (studies/profile_default.py --peers),
+#             N = 4096
 #
 # Each stage logs under RESULTS_DIR and is bounded by `timeout`.
 set -uo pipefail
@@ -59,7 +61,7 @@ for stage in "$@"; do
         run quick 120 python3 scripts/gpu_quick_check.py
         ;;
     tune)
-        run tune 200 python3 scripts/tune_kernels.py --model gemma2_2b --tokens 8192 \
+        run tune 200 python3 scripts/studies/tune_kernels.py --model gemma2_2b --tokens 8192 \
             --configs ${TUNE_CONFIGS:-0 1 2 4 8 9}
         ;;
     profile)
@@ -96,8 +98,8 @@ for stage in "$@"; do
         ;;
     exp-bench)
         run exp_tune 200 python3 scripts/tune_exp_logits.py --rounds 3
-        run exp_host 60 python3 scripts/host_overhead.py
-        run exp_profile 420 python3 scripts/profile_default.py --cases gemma2_2b:8192 \
+        run exp_host 120 python3 scripts/bench_host.py
+        run exp_profile 420 python3 scripts/studies/profile_default.py --cases gemma2_2b:8192 \
             llama3_8b:8192 phi3_5_mini:8192 llama3_8b:8192:8 --out "$results/exp_profile"
         ;;
     cute-keep)
@@ -124,7 +126,7 @@ for stage in "$@"; do
         done
         ;;
     cute-profile)
-        run cute_profile ${BENCH_LIMIT:-560} python3 scripts/profile_default.py \
+        run cute_profile ${BENCH_LIMIT:-560} python3 scripts/studies/profile_default.py \
             --cases ${CASES:-gemma2_2b:4096 llama3_8b:4096 phi3_5_mini:4096} \
             --peers ${PROVIDERS:-torch.compile quack liger-cute} --out "$results/cute_profile"
         ;;

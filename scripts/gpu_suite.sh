@@ -13,15 +13,15 @@
 #   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py, TP=2 edge cases in
 #                tests/test_parallel_reliability_gpu.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
-#   bench        scripts/bench_parallel.py: TP 1, 2, 4, SP off/on, ours (default, gemm, lean),
+#   bench        lce_train.bench_parallel: TP 1, 2, 4, SP off/on, ours (default, gemm, lean),
 #                megatron's fused and unfused losses and the collectives alone, at the Gemma-2 2B
 #                and Llama-3 8B shapes, without softcap (megatron-core has none)
-#   pp-gemma     scripts/pp_memory_balance.py --measure, Gemma-2 2B width, 8 layers, TP2 x PP2
+#   pp-gemma     lce-pp-memory-balance --measure, Gemma-2 2B width, 8 layers, TP2 x PP2
 #   pp-llama     the same, Llama-3 8B width, 8 layers, PP4
 #   megatron     the launcher on configs/models/$CONFIG.yaml (default gemma2_like; llama3_like
 #                is Llama-3's width), cce, native and native-fused (--cross-entropy-loss-fusion),
 #                TP4 and TP2 x PP2 (NGPU=8: TP8 and TP4 x PP2), $STEPS steps each (default 200)
-#   max-mbs      scripts/max_micro_batch.py, cce, native and native-fused, TP = NGPU, sequence 4096
+#   max-mbs      lce_train.max_micro_batch, cce, native and native-fused, TP = NGPU, sequence 4096
 #
 # The multi-GPU targets on 2 x H200 (nvidia-h200-x2), every stage bounded, about 25 min:
 #
@@ -94,19 +94,19 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             tests/test_parallel_reliability_gpu.py tests/test_megatron_plugin.py
         ;;
     bench)
-        run bench_parallel 300 torchrun --nproc-per-node "$ngpu" scripts/bench_parallel.py \
+        run bench_parallel 300 torchrun --nproc-per-node "$ngpu" -m lce_train.bench_parallel \
             --models gemma2_2b llama3_8b --tokens 8192 --tp "${bench_tp[@]}" --sp off on \
             --providers ours ours-gemm ours-lean megatron-fused megatron collectives \
             --no-softcap --iters 10 --warmup 3 --out "$results/bench_parallel.csv"
         ;;
     pp-gemma)
-        run pp_gemma 300 python3 scripts/pp_memory_balance.py --config gemma2_2b --num-layers 8 \
+        run pp_gemma 300 lce-pp-memory-balance --config gemma2_2b --num-layers 8 \
             --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --seq-length 4096 \
             --micro-batch-size 2 --num-microbatches 8 --recompute none --measure \
             --csv "$results/pp_gemma.csv" --png "$results/pp_gemma.png"
         ;;
     pp-llama)
-        run pp_llama 300 python3 scripts/pp_memory_balance.py --config llama3_8b --num-layers 8 \
+        run pp_llama 300 lce-pp-memory-balance --config llama3_8b --num-layers 8 \
             --pipeline-model-parallel-size 4 --seq-length 4096 --micro-batch-size 1 \
             --num-microbatches 8 --recompute none --measure \
             --csv "$results/pp_llama.csv" --png "$results/pp_llama.png"
@@ -123,7 +123,7 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
     max-mbs)
         for impl in cce native native-fused; do
             run "max_mbs_$impl" 240 torchrun --nproc-per-node "$ngpu" --master-port 29512 \
-                scripts/max_micro_batch.py "${model[@]}" --bf16 \
+                -m lce_train.max_micro_batch "${model[@]}" --bf16 \
                 --tensor-model-parallel-size "$ngpu" --seq-length 4096 \
                 $(loss_flags "$impl") --out "$results/max_mbs_$impl.json" \
                 ${LAUNCH_FLAGS:-}

@@ -138,10 +138,17 @@ def no_collectives_below_parallel(edges: list[Edge]) -> list[Edge]:
             and _outside(e, *DISTRIBUTED)]
 
 
+# The op's pure-torch modules that the kernels' host code shares with the chunked path. They
+# import nothing of ours, so a kernel file that uses one still depends on nothing above it.
+KERNEL_HELPERS = ("fused_lce.fp32_products", "fused_lce.softmax_merge")
+
+
 def kernels_import_only_kernels(edges: list[Edge]) -> list[Edge]:
-    """A kernel file imports torch, triton and other kernel files, nothing of the layers above."""
-    return [e for e in edges if room_of(e.source) == "kernels" and e.internal
-            and room_of(e.target) != "kernels"]
+    """A kernel file imports torch, triton, other kernel files and the op's pure-torch helpers
+    (``KERNEL_HELPERS``, which import nothing of ours), nothing of the layers above."""
+    return [e for e in edges if e.internal and (
+        (room_of(e.source) == "kernels" and room_of(e.target) != "kernels"
+         and e.target not in KERNEL_HELPERS) or e.source in KERNEL_HELPERS)]
 
 
 def op_never_imports_parallel(edges: list[Edge]) -> list[Edge]:

@@ -17,7 +17,7 @@
 # printed before the tests.
 # Layouts: NGPU=1 TP1; NGPU=2 TP2; NGPU=4 TP2 (2 GPUs) and TP2 x PP2. The model is 2 layers,
 # hidden 2048, vocabulary $VOCAB (default 131072), sequence 2048, micro-batch 2, bf16, local
-# transformer impl (no transformer-engine, no apex). scripts/megatron_lm_report.py prints the
+# transformer impl (no transformer-engine, no apex). lce-megatron-lm-report prints the
 # table; every log stays under RESULTS_DIR.
 set -uo pipefail
 results=${1:?usage: NGPU=1 bash scripts/megatron_lm_gpu.sh RESULTS_DIR}
@@ -92,7 +92,7 @@ case $ngpu in
     *) echo "NGPU must be 1, 2 or 4, got $ngpu"; exit 1 ;;
 esac
 
-python3 scripts/megatron_lm_report.py "$results" | tee "$results/table.md"
+lce-megatron-lm-report "$results" | tee "$results/table.md"
 
 [[ -n ${SKIP_TESTS:-} ]] || step parser_tests "${PARSER_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_megatron_lm.py tests/test_megatron_plugin.py

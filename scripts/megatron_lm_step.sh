@@ -10,7 +10,10 @@
 # GQA 8, V 128256, 8 layers, sequence 4096, micro-batch 1, 8 micro-batches). Others: V 131072,
 # sequence 2048, micro-batch 2, bf16, mock data, local transformer impl (no TE, no apex).
 # ROUNDS (default 2) rounds of every run, STEPS (default 20) iterations each; the table
-# (scripts/megatron_lm_report.py --step) takes the median over iterations past SKIP (10).
+# (lce-megatron-lm-report --step) takes the median over iterations past SKIP (10).
+# LOSSES (default "native cce") may add cce_eager: cce with --cce-no-cuda-graphs (the op's
+# own graph off); GRAPHS (default "none graphs") picks eager and/or full_iteration; EXTRA adds
+# flags to every run.
 #
 # Needs, carried beside the repository (both git-ignored), as scripts/megatron_lm_gpu.sh:
 #   .mlm/  Megatron-LM's pretrain_gpt.py, gpt_builders.py, model_provider.py and
@@ -72,9 +75,13 @@ run() {  # run LAYOUT LOSS GRAPHS ROUND
     local flags
     flags=$(layout_flags "$layout") || exit 1
     local cmd=(torchrun --nproc-per-node 4 --master-port 29519)
-    [[ $loss == cce ]] && cmd+=(-m fused_lce.parallel.megatron_lm)
-    cmd+=(.mlm/pretrain_gpt.py $flags "${common[@]}" --cross-entropy-loss-fusion
-          --cross-entropy-fusion-impl "$loss")
+    # Under full-iteration graphs the native loss runs through the plugin too: with pipeline
+    # parallelism megatron-core 0.19 fails before the capture without the plugin's batch fix
+    # (parallel/megatron_lm.py); --cross-entropy-fusion-impl native is otherwise untouched.
+    [[ $loss == cce* || -n $graphs ]] && cmd+=(-m fused_lce.parallel.megatron_lm)
+    cmd+=(.mlm/pretrain_gpt.py $flags "${common[@]}" ${EXTRA:-} --cross-entropy-loss-fusion
+          --cross-entropy-fusion-impl "${loss%%_*}")
+    [[ $loss == cce_eager ]] && cmd+=(--cce-no-cuda-graphs)
     [[ -n $graphs ]] && cmd+=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad)
     echo "=== $name: ${cmd[*]}" >> "$results/commands.log"
     local start=$SECONDS log=$results/$name.log
@@ -105,5 +112,5 @@ for layout in "${layouts[@]}"; do
         done
     done
 done
-python3 scripts/megatron_lm_report.py --step --skip "${SKIP:-10}" "$results" \
+lce-megatron-lm-report --step --skip "${SKIP:-10}" "$results" \
     | tee "$results/table.md"

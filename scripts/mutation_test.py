@@ -74,8 +74,12 @@ TARGETS: dict[str, Target] = {
         (*_OP, "tests/test_reference.py")),
     "fused_lce/engine.py": Target(
         ("flat_rows", "global_statistics", "_shard_inputs", "LCEFunction.forward",
-         "LCEFunction.backward", "single_device_loss", "_partial_dtype", "_token_walk_plan",
-         "_lse_nll", "_walk_token_chunks", "_scaled_gradients", "pad_rows"),
+         "LCEFunction.backward", "_partial_dtype", "_token_walk_plan", "_lse_nll",
+         "_walk_token_chunks"),
+        (*_OP, *_TP2)),
+    "fused_lce/api.py": Target(("single_device_loss",), (*_OP,)),
+    "fused_lce/stored_gradients.py": Target(
+        ("scale_stored_gradients", "scaled_gradients", "pad_rows"),
         (*_OP, *_TP2)),
     "fused_lce/forward_grad.py": Target(
         ("plan_forward_gradients", "exponentials_apply", "_tile_rows", "_chunks",

@@ -32,7 +32,7 @@ CPU (gloo; megatron-core's CUDA-only calls are redirected by lce_train.megatron_
 
 ``--dry-run`` prints the resolved configuration and layout and builds nothing (no torchrun
 needed; ``--world-size`` says how many ranks to plan for). ``scripts/pretrain_gpt.sh`` wraps
-the torchrun lines; ``scripts/compare_losses.py`` runs ``cce`` beside ``native``. The code is
+the torchrun lines; ``lce-compare-losses`` runs ``cce`` beside ``native``. The code is
 the ``lce_train`` package (flags in ``lce_train.arguments``, the loop in ``lce_train.training``).
 
 The backend is NCCL on CUDA and gloo on the CPU. Every rank that holds the last pipeline stage
@@ -53,7 +53,7 @@ partial checkpoints are refused with the file or folder named; the launcher's ea
 
 Data come from ``--mock-data`` (seeded synthetic token sequences) or ``--data-path``, which takes
 Megatron's indexed datasets as Megatron-LM does: a prefix (``PREFIX.bin`` + ``PREFIX.idx``, from
-Megatron-LM's tools/preprocess_data.py or scripts/build_token_file.py) or a blend
+Megatron-LM's tools/preprocess_data.py or ``lce-build-token-file``) or a blend
 ``"0.3 PREFIX_A 0.7 PREFIX_B"``, read by megatron-core's ``IndexedDataset`` / ``GPTDataset`` /
 ``BlendedDataset`` (index caches in ``--data-cache-path``, default ``cache/`` beside the data;
 megatron-core's compiled ``helpers_cpp`` is needed, and the error says how to build it where it is

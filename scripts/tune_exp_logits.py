@@ -1,22 +1,16 @@
 """Time the exponentials GEMM (fused_lce/kernels/exp_logits.py) against cuBLAS's logits GEMM over
-one token chunk, for a few tile and epilogue configurations ("always-max": the epilogue that
-takes every block's row max, as the first version did). One GPU.
+one token chunk, for a few tile and epilogue configurations. One GPU.
 
     python scripts/tune_exp_logits.py [--rows 4096] [--shapes 256000:2304 128256:4096 32064:3072]
 
 Per shape and configuration it prints the median ms of ``rounds`` interleaved rounds (the H100's
 clock moves between rounds more than configurations differ), the ratio to cuBLAS's ``mm`` into
-a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it). "plain" configurations
-store the logits with no exponentials: what the same GEMM costs without its epilogue's work.
-The winner is what ``_CONFIGS["hopper"]`` should hold.
+a bf16 buffer (the GEMM the two-pass walk ran, with nothing after it). The winner is what
+``_CONFIGS["hopper"]`` should hold.
 
-On an H100 (2026-11-27, 7 rounds; docs/benchmarks/single_gpu.md)
-the plain GEMM ran at 1.00-1.01x cuBLAS at the three widths, the default at 1.05-1.09x and the
-flattened tile loops at 1.02-1.07x. In the whole step the flattened loop was 2% faster at
-Gemma-2 N = 8192 on one machine, and within the noise (or 4% slower at Llama-3 N = 4096) on
-another, so the default stayed. Two programs per SM with 128 x 128 tiles (2026-11-27, commit
-cb8711c, 5 rounds) ran 1.22-1.41x cuBLAS, and 1.18-1.31x storing plain logits: Triton's main loop at
-those tiles, not the epilogue, is what trails there.
+The last results are on docs/benchmarks/single_gpu.md. The variants it once timed besides these
+(the GEMM storing plain logits, an epilogue taking every block's max, flattened tile loops, two
+programs per SM) were closed (CHANGELOG.md) and left the kernel; they are in git at commit 10497e6.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ from fused_lce.kernels.exp_logits import ExpLogitsConfig, exp_logits
 _TILE = TileConfig(128, 256, 64, 8, 3)
 CONFIGS = {
     "128x256x64 s3 w8": ExpLogitsConfig(_TILE),
-    "128x256x64 s3 w8 always-max": ExpLogitsConfig(_TILE, always_max=True),
     "128x256x64 s3 w8 split2": ExpLogitsConfig(_TILE, split=2),
     "128x256x64 s3 w8 ws": ExpLogitsConfig(_TILE, warp_specialize=True),
     "128x256x64 s3 w8 split2 ws": ExpLogitsConfig(_TILE, split=2, warp_specialize=True),
@@ -46,30 +39,6 @@ CONFIGS = {
     "split2 ws group16": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=16),
     "split2 ws group32": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, group=32),
     "256x128x64 s3 w8": ExpLogitsConfig(TileConfig(256, 128, 64, 8, 3)),
-    # The default (split2 ws, its group) storing plain logits: the GEMM with no exponentials.
-    "default plain": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, plain=True),
-    "split2 flatten": ExpLogitsConfig(_TILE, split=2, flatten=True),
-    "split2 ws flatten": ExpLogitsConfig(_TILE, split=2, warp_specialize=True, flatten=True),
-    "s4 split2 flatten": ExpLogitsConfig(TileConfig(128, 256, 64, 8, 4), split=2, flatten=True),
-    "split2 flatten plain": ExpLogitsConfig(_TILE, split=2, flatten=True, plain=True),
-    # Two programs resident per multiprocessor (128 x 128 accumulators: half the registers), so
-    # that one's epilogue can overlap the other's MMAs. On an H100 (commit cb8711c) even storing
-    # plain logits these tiles ran 1.18-1.31x cuBLAS: no overlap wins that back.
-    "128x128x64 s3 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3), programs_per_sm=2),
-    "128x128x64 s3 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 3), programs_per_sm=2),
-    "128x128x64 s3 w4 2/SM plain": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3),
-                                                   programs_per_sm=2, plain=True),
-    "128x128x64 s3 w4 1/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 3)),
-    # Two 3-stage programs (96 KiB of operands each, plus the store's tile) may not fit one
-    # multiprocessor's 227 KiB of shared memory; two 2-stage ones do.
-    "128x128x64 s2 w4 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2), programs_per_sm=2),
-    "128x128x64 s2 w8 2/SM": ExpLogitsConfig(TileConfig(128, 128, 64, 8, 2), programs_per_sm=2),
-    "128x128x64 s2 w4 2/SM split2": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2), split=2,
-                                                    programs_per_sm=2),
-    "128x128x64 s2 w4 2/SM ws": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2),
-                                                warp_specialize=True, programs_per_sm=2),
-    "128x128x64 s2 w4 2/SM plain": ExpLogitsConfig(TileConfig(128, 128, 64, 4, 2),
-                                                   programs_per_sm=2, plain=True),
 }
 
 

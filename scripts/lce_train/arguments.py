@@ -18,7 +18,7 @@ import torch
 from fused_lce.parallel import megatron_flags
 from lce_train.configs import known_models, load_model_config
 from lce_train.data import check_data_vocab, describe_blend
-from lce_train.pp_memory import stage_layer_counts
+from lce_train.pp_split import stage_layer_counts
 
 IMPLS_MEGATRON = ("native", "te")
 

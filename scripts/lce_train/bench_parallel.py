@@ -1,10 +1,9 @@
 """Benchmark the vocab-parallel loss layer across tensor-parallel ranks, ours beside Megatron's.
 
-    torchrun --nproc-per-node 4 scripts/bench_parallel.py --models gemma2_2b llama3_8b \
+    torchrun --nproc-per-node 4 -m lce_train.bench_parallel --models gemma2_2b llama3_8b \
         --tokens 8192 --out docs/benchmarks/parallel_run.csv
 
-From a wheel, ``torchrun --nproc-per-node 4 -m lce_train.bench_parallel ...`` (or ``torchrun
---no-python --nproc-per-node 4 lce-bench-parallel ...``) runs the same.
+``torchrun --no-python --nproc-per-node 4 lce-bench-parallel ...`` runs the same.
 
 For every model shape (``lce_train.configs``), number of tokens per TP group, TP size (default: 1
 and the world size), sequence parallelism (off and on; TP=1 runs without) and provider it
@@ -34,7 +33,7 @@ Providers:
 - ``ours-gemm``: the same with ``backward="gemm"``: statistics in the forward, each shard's
   logits recomputed in the backward (four GEMMs; the default before 2026-11-23).
 - ``ours-lean``: the same with ``scratch_mb=12``, the op's lean mode.
-- ``ours-kept``: the same with ``recompute_logits=False``: the forward keeps each shard's logits
+- ``ours-kept``: the same with ``keep_logits=True``: the forward keeps each shard's logits
   as 16-bit exponentials (N x V_local x 2 bytes) and the backward does not recompute them.
 - ``collectives``: only the collectives of ``ours``, with its sizes, dtypes and token chunks and
   no compute (TP > 1): the most that overlapping them with compute could save. (Before
@@ -66,7 +65,11 @@ every rank and at every TP.
 
 ``--cpu-smoke`` checks the script without GPUs: gloo on the CPU, tiny shapes, the kernels under
 the Triton interpreter, wall-clock timers and no memory figures
-(``torchrun --nproc-per-node 2 scripts/bench_parallel.py --cpu-smoke``).
+(``torchrun --nproc-per-node 2 -m lce_train.bench_parallel --cpu-smoke``).
+
+The baselines are written in ``lce_train.bench_parallel_baselines``, the per-rank timers and the
+``collectives`` provider in ``lce_train.bench_parallel_timing``; this module builds the problems
+and the groups, runs the grid and writes the table.
 """
 
 from __future__ import annotations
@@ -77,18 +80,24 @@ import datetime
 import gc
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fused_lce.options import LEAN_SCRATCH_MB, LCEOptions
+from fused_lce.options import LEAN_SCRATCH_MB
+from lce_train.bench_parallel_baselines import (
+    megatron_available,
+    megatron_destroy,
+    megatron_fused_loss,
+    megatron_init,
+    megatron_loss,
+    torch_logits_vp_loss,
+)
+from lce_train.bench_parallel_timing import measure, measure_collectives, worst_over_ranks
 from lce_train.configs import known_models, load_model_config
 
-MIB = 2**20
 PROVIDERS = ("ours", "ours-masked", "ours-gemm", "ours-lean", "ours-kept", "megatron-fused",
              "megatron", "torch-logits-vp", "collectives")
 # Shapes of --cpu-smoke: (tokens, hidden size, vocabulary before padding).
@@ -96,265 +105,7 @@ SMOKE_SHAPE = (48, 32, 1003)
 
 
 # ---------------------------------------------------------------------------------------------
-# The baseline written with torch.distributed (Megatron's algorithm)
-# ---------------------------------------------------------------------------------------------
-
-
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """Identity forward; the backward sums the input gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, input, group):
-        ctx.group = group
-        return input
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """All-gather along the sequence (first) dimension; the backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, input, group):
-        ctx.group = group
-        size = dist.get_world_size(group)
-        input = input.contiguous()
-        out = input.new_empty((input.shape[0] * size, *input.shape[1:]))
-        dist.all_gather_into_tensor(out, input, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        size = dist.get_world_size(ctx.group)
-        grad = grad.contiguous()
-        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None
-
-
-class _LogitsVocabParallelCE(torch.autograd.Function):
-    """Cross-entropy of fp32 logits split over the vocabulary (Megatron's algorithm).
-
-    forward: all-reduce MAX [N], all-reduce SUM [N] (target logit), all-reduce SUM [N]
-    (sum of exponentials); saves the (N, V_local) fp32 softmax for the backward.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, vocab_start, group):
-        logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits.sub_(logits_max.unsqueeze(-1))  # in place, as Megatron does: logits is ours
-        local = target - vocab_start
-        outside = (local < 0) | (local >= logits.shape[-1])
-        local = torch.where(outside, torch.zeros_like(local), local)
-        target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1)
-        target_logit = torch.where(outside, torch.zeros_like(target_logit), target_logit)
-        dist.all_reduce(target_logit, group=group)
-        softmax = logits.exp_()
-        sum_exp = softmax.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        loss = torch.log(sum_exp) - target_logit
-        softmax.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax  # softmax - one_hot(target), in place
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= (~outside).to(grad.dtype)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None
-
-
-def _capped_fp32_logits(hidden, weight, softcap):
-    logits = (hidden @ weight.t()).float()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
-
-
-def torch_logits_vp_loss(hidden, weight, target, *, group, vocab_start, sp, softcap):
-    """Mean cross-entropy over the N tokens; ``hidden`` (N or N/TP, D), ``weight`` (V/TP, D)."""
-    if dist.get_world_size(group) > 1:
-        if sp:
-            hidden = _GatherFromSequenceParallelRegion.apply(hidden, group)
-        else:
-            hidden = _CopyToTensorParallelRegion.apply(hidden, group)
-    logits = _capped_fp32_logits(hidden, weight, softcap)
-    return _LogitsVocabParallelCE.apply(logits, target, vocab_start, group).mean()
-
-
-def _megatron_input(hidden, sp: bool):
-    """The output layer's input as ColumnParallelLinear takes it in."""
-    from megatron.core import tensor_parallel
-
-    if sp:
-        return tensor_parallel.gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=True
-        )
-    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-
-
-def megatron_loss(hidden, weight, target, *, sp, softcap):
-    """Megatron-core's path; its parallel state must be initialised with this TP size."""
-    from megatron.core import tensor_parallel
-
-    logits = _capped_fp32_logits(_megatron_input(hidden, sp), weight, softcap)
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, target).mean()
-
-
-def megatron_fused_loss(hidden, weight, target, *, sp, softcap):
-    """Megatron-core's fused loss on bf16 logits (``--cross-entropy-loss-fusion``)."""
-    from megatron.core import parallel_state
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-
-    logits = _megatron_input(hidden, sp) @ weight.t()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    group = parallel_state.get_tensor_model_parallel_group()
-    # Megatron's layout: [sequence, batch, vocab shard]; one sequence of every token here.
-    return fused_vocab_parallel_cross_entropy(logits.unsqueeze(1), target.unsqueeze(1),
-                                              group).mean()
-
-
-def _masked_mean(loss_fn):
-    """Megatron's loss function around per-token losses: sum(losses * mask) / sum(mask), the mask
-    (every token counted) passed to ours as ``loss_mask``, as the megatron adapter passes it."""
-    def masked(h, w, t):
-        mask = torch.ones(t.shape, dtype=torch.float32, device=t.device)
-        return (loss_fn(h, w, t, loss_mask=mask) * mask).sum() / mask.sum()
-    return masked
-
-
-def megatron_available() -> bool:
-    try:
-        import megatron.core.parallel_state  # noqa: F401
-        import megatron.core.tensor_parallel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def megatron_init(tp: int) -> None:
-    import inspect
-
-    from megatron.core import parallel_state
-
-    kwargs = {"tensor_model_parallel_size": tp}
-    if "create_gloo_process_groups" in inspect.signature(
-        parallel_state.initialize_model_parallel
-    ).parameters:
-        kwargs["create_gloo_process_groups"] = False  # not needed here
-    parallel_state.initialize_model_parallel(**kwargs)
-
-
-def megatron_destroy() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring
-# ---------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """CUDA events on GPUs, the wall clock (after the barrier) on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-
-def timed(fn, iters: int, timer: Timer) -> list[float]:
-    """``iters`` times of ``fn`` in ms, each started together on every rank (a barrier)."""
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        timer.sync()
-        times.append(timer.time_ms(fn))
-    return times
-
-
-def measure(loss_fn, hidden, weight, target, args, device) -> dict:
-    """Median forward and forward+backward time on this rank, and its extra peak memory."""
-    timer = Timer(device)
-    h = hidden.detach().requires_grad_()
-    w = weight.detach().requires_grad_()
-    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
-
-    def forward():
-        return loss_fn(h, w, target)
-
-    def forward_backward():
-        h.grad = None
-        w.grad = None
-        loss = loss_fn(h, w, target)
-        loss.backward()
-        return loss
-
-    for _ in range(args.warmup):
-        forward_backward()
-    timer.sync()
-
-    extra = math.nan
-    if device.type == "cuda":
-        h.grad = None
-        w.grad = None
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        forward_backward()
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - base - grad_bytes) / MIB
-
-    fwd = timed(forward, args.iters, timer)
-    both = timed(forward_backward, args.iters, timer)
-    loss = forward().item()
-    h.grad = None
-    w.grad = None
-    return {"fwd_ms": statistics.median(fwd), "fwd_bwd_ms": statistics.median(both),
-            "extra_mib": extra, "loss": loss}
-
-
-def worst_over_ranks(result: dict, device: torch.device) -> dict:
-    """The slowest rank's times and the largest rank's memory (NaN stays NaN)."""
-    keys = ("fwd_ms", "fwd_bwd_ms", "extra_mib")
-    values = torch.tensor([result[k] for k in keys], dtype=torch.float64, device=device)
-    values = torch.nan_to_num(values, nan=-1.0)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    out = dict(result)
-    for k, v in zip(keys, values.tolist()):
-        out[k] = math.nan if v < 0 else v
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Problems and groups
+# Problems, groups and providers
 # ---------------------------------------------------------------------------------------------
 
 
@@ -385,6 +136,15 @@ def make_problem(n_tokens, d, v_rows, n_classes, dtype, device, seed):
     return hidden, weight, target
 
 
+def _masked_mean(loss_fn):
+    """Megatron's loss function around per-token losses: sum(losses * mask) / sum(mask), the mask
+    (every token counted) passed to ours as ``loss_mask``, as the megatron adapter passes it."""
+    def masked(h, w, t):
+        mask = torch.ones(t.shape, dtype=torch.float32, device=t.device)
+        return (loss_fn(h, w, t, loss_mask=mask) * mask).sum() / mask.sum()
+    return masked
+
+
 def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
@@ -408,7 +168,7 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
     if "ours-lean" in names:
         table["ours-lean"] = ours(scratch_mb=LEAN_SCRATCH_MB)
     if "ours-kept" in names:
-        table["ours-kept"] = ours(recompute_logits=False)
+        table["ours-kept"] = ours(keep_logits=True)
     # Megatron's sequence-parallel all-gather allocates on CUDA: no SP for it in --cpu-smoke.
     if "megatron-fused" in names and megatron_available() and not (sp and args.cpu_smoke):
         table["megatron-fused"] = lambda h, w, t: megatron_fused_loss(h, w, t, sp=sp,
@@ -420,45 +180,6 @@ def providers(names, args, *, group, vocab_start, v_rows, sp, softcap):
             h, w, t, group=group, vocab_start=vocab_start, sp=sp, softcap=softcap
         )
     return table
-
-
-def measure_collectives(n_tokens, d, v_local, dtype, group, sp, args, device) -> dict:
-    """The collectives of ``ours`` (the default walk) alone, with its sizes and dtypes (the module
-    docstring of parallel/vocab_parallel.py): what overlapping them with compute could save at
-    most. The walk's chunks are the op's own plan for this shard."""
-    from fused_lce.forward_grad import plan_forward_gradients
-    from fused_lce.parallel import comm
-
-    tp = dist.get_world_size(group)
-    plan = plan_forward_gradients(LCEOptions(), n_tokens, v_local, d, dtype.itemsize, True, dtype)
-    hidden = torch.zeros(n_tokens // tp if sp else n_tokens, d, dtype=dtype, device=device)
-    offsets = torch.zeros(n_tokens, dtype=torch.float32, device=device)
-    row_max = torch.zeros(plan.chunk_rows, dtype=torch.float32, device=device)
-    packed_sums = torch.zeros(2 * plan.chunk_rows, dtype=torch.float32, device=device)
-    d_hidden = torch.zeros(n_tokens, d, dtype=torch.float32, device=device)
-    timer = Timer(device)
-
-    def forward():
-        if sp:
-            comm.all_gather_first_dim(hidden, group)
-        if plan.exponentials:
-            comm.all_reduce_sum_(offsets, group)
-        for _ in range(0, n_tokens, plan.chunk_rows):
-            comm.all_reduce_max_(row_max, group)
-            comm.all_reduce_sum_(packed_sums, group)
-
-    def forward_backward():
-        forward()
-        if sp:
-            comm.reduce_scatter_first_dim(d_hidden, group)
-        else:
-            comm.all_reduce_sum_(d_hidden, group)
-
-    for _ in range(args.warmup):
-        forward_backward()
-    return {"fwd_ms": statistics.median(timed(forward, args.iters, timer)),
-            "fwd_bwd_ms": statistics.median(timed(forward_backward, args.iters, timer)),
-            "extra_mib": math.nan, "loss": math.nan}
 
 
 # ---------------------------------------------------------------------------------------------

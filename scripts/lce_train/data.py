@@ -2,8 +2,8 @@
 
 ``--data-path`` takes what Megatron-LM's ``--data-path`` takes: the prefix of an indexed dataset
 (``PREFIX.bin`` + ``PREFIX.idx``, as written by Megatron-LM's tools/preprocess_data.py or by
-scripts/build_token_file.py), or a blend ``"w1 PREFIX1 w2 PREFIX2 ..."`` (one string or several
-arguments). The samples come from megatron-core's own classes: ``IndexedDataset`` reads the
+lce_train.build_token_file), or a blend ``"w1 PREFIX1 w2 PREFIX2 ..."`` (one string or
+several arguments). The samples come from megatron-core's own classes: ``IndexedDataset`` reads the
 files, ``GPTDataset`` cuts shuffled windows of ``seq_length + 1`` tokens across documents and
 ``BlendedDataset`` mixes prefixes by weight, built by ``BlendedMegatronDatasetBuilder`` with
 their index caches in ``--data-cache-path`` (megatron's default: ``cache/`` beside the data).
@@ -75,7 +75,7 @@ def describe_blend(values) -> str:
 
 def dataset_meta(prefix: str) -> dict:
     """Check that PREFIX.bin and PREFIX.idx exist; returns PREFIX.json (written by
-    scripts/build_token_file.py: vocab_size, eod_id, tokenizer) or {} where there is none."""
+    lce_train.build_token_file: vocab_size, eod_id, tokenizer) or {} where there is none."""
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
     json_path = Path(prefix + ".json")
     if not idx_path.exists():

@@ -16,8 +16,12 @@ from pathlib import Path
 
 from lce_train.configs import CONFIG_DIR
 
-# The runs start the launcher's command line from a checkout (scripts/lce_train/ -> its root).
-ROOT = Path(__file__).resolve().parents[2]
+# The source checkout this module lies in (scripts/lce_train/ -> its root), None where it is
+# installed from a wheel: the text corpus's default folder is then ./.data, not a folder inside
+# site-packages, and the runs start in the current directory.
+_HERE = Path(__file__).resolve().parent
+CHECKOUT = (_HERE.parents[1] if _HERE.parent.name == "scripts"
+            and (_HERE.parents[1] / "setup.py").is_file() else None)
 DEFAULT_CONFIG = CONFIG_DIR / "experiments" / "training_equivalence.yaml"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lce_train.equivalence_config import ROOT, Experiment, Job, Targets, load_experiment
+from lce_train.equivalence_config import CHECKOUT, Experiment, Job, Targets, load_experiment
 from lce_train.equivalence_logs import read_records
 
 # The installed launcher's module, so that a wheel runs the matrix as a checkout does.
@@ -120,7 +120,7 @@ def run_queue(jobs: list[tuple[Job, list[str]]], slots: list[str | None], out: P
             if gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
             log = open(out / f"{job.name}.log", "w")
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+            proc = subprocess.Popen(command, cwd=CHECKOUT, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
             running[slot] = (index, proc, time.perf_counter())
@@ -167,7 +167,10 @@ def cmd_run(args) -> int:
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else exp.seeds
     steps = args.steps or exp.steps
     overrides = _parse_overrides(args.set)
-    out = Path(args.out)
+    # Absolute paths: the runs start in the checkout's root (the current directory, installed),
+    # and relative ones would land their logs there.
+    out = Path(args.out).resolve()
+    data_dir, data_cache = Path(args.data_dir).resolve(), Path(args.data_cache).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     if args.cpu_smoke:
@@ -177,11 +180,10 @@ def cmd_run(args) -> int:
         if not gpus and not args.dry_run:
             raise SystemExit("no GPU visible: run on a GPU machine, or pass --cpu-smoke")
         slots = gpus[: args.jobs] if args.jobs else gpus
-    data = {} if args.dry_run else prepare_data(exp, corpora, Path(args.data_dir),
-                                                Path(args.data_cache))
+    data = {} if args.dry_run else prepare_data(exp, corpora, data_dir, data_cache)
     if args.dry_run:
-        data = {c: (f"{args.data_dir}/{exp.corpora[c]['data']}_train",
-                    f"{args.data_dir}/{exp.corpora[c]['data']}_valid")
+        data = {c: (f"{data_dir}/{exp.corpora[c]['data']}_train",
+                    f"{data_dir}/{exp.corpora[c]['data']}_valid")
                 for c in corpora if "data" in exp.corpora[c]}
 
     jobs = []

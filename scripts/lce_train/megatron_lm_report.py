@@ -85,10 +85,13 @@ def table(layout: str, runs: dict[str, dict | None]) -> str:
 
 
 STEP_RUNS = ("native", "cce", "native_graphs", "cce_graphs")
+# Listed only where their logs are: cce with the op's own CUDA graph off (--cce-no-cuda-graphs).
+OPTIONAL_STEP_RUNS = ("cce_eager", "cce_eager_graphs")
 
 
 def step_tables(results: Path, skip: int) -> str:
-    """The --step tables: one per layout, a row per run of STEP_RUNS."""
+    """The --step tables: one per layout, a row per run of STEP_RUNS and per optional run
+    found."""
     logs: dict[str, dict[str, dict[int, dict]]] = {}
     for log in sorted(results.glob("*__*__r*.log")):
         layout, run, round_ = log.stem.split("__")
@@ -100,7 +103,8 @@ def step_tables(results: Path, skip: int) -> str:
                 "| run | ms / iteration, median per round | median | range | peak MiB (any rank) "
                 "| lm loss, last iteration | largest loss difference from eager |",
                 "|---|---|---|---|---|---|---|"]
-        for run in STEP_RUNS:
+        order = [*STEP_RUNS, *(run for run in OPTIONAL_STEP_RUNS if run in runs)]
+        for run in order:
             rounds = runs.get(run, {})
             medians, peaks, finals, drift = [], [], [], []
             for k, parsed in sorted(rounds.items()):

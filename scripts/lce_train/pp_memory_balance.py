@@ -2,16 +2,17 @@
 
 Predicts each pipeline stage's peak memory for a model and a layout (lce_train.pp_memory: the
 terms and every assumption are in its docstring and docs/pp_memory_balance.md), recommends the
-layer split that minimises the largest stage for each loss, and says what cce buys at the same
-memory: fewer stages, a longer sequence, a larger micro-batch. Prints a table and optionally
-writes a CSV and a PNG bar chart per stage (native vs cce, before and after rebalancing):
+layer split that minimises the largest stage for each loss (lce_train.pp_split), and says what
+cce buys at the same memory: fewer stages, a longer sequence, a larger micro-batch. Prints a
+table and optionally writes a CSV and a PNG bar chart per stage (native vs cce, before and after
+rebalancing):
 
-    python scripts/pp_memory_balance.py --config llama3_8b --tensor-model-parallel-size 2 \\
+    lce-pp-memory-balance --config llama3_8b --tensor-model-parallel-size 2 \\
         --sequence-parallel --pipeline-model-parallel-size 4 --num-microbatches 8 \\
         --seq-length 8192 --csv out/llama.csv --png out/llama.png
 
-(the same as ``python -m lce_train.pp_memory_balance`` or ``lce-pp-memory-balance``; ``--png``
-needs matplotlib, ``pip install 'fused_lce[plot]'``).
+(the same as ``python -m lce_train.pp_memory_balance``; ``--png`` needs matplotlib,
+``pip install 'fused_lce[plot]'``).
 
 ``--measure`` runs the launcher (``lce_train.training``) under torchrun for the same layout (the
 split given, and the recommended one where first/last flags express it), once per loss, reads
@@ -34,6 +35,7 @@ import textwrap
 from pathlib import Path
 
 from lce_train import pp_memory as pm
+from lce_train import pp_split
 from lce_train.configs import known_models, load_model_config
 
 LOSSES = ("native", "cce")
@@ -96,7 +98,7 @@ def layout_from_args(args) -> pm.Layout:
 
 def starting_split(cfg, lay: pm.Layout, args) -> list[int]:
     """The split the user gave (megatron's rules), over the p v virtual stages."""
-    return pm.stage_layer_counts(
+    return pp_split.stage_layer_counts(
         cfg.num_layers, lay.pp * lay.vpp, args.decoder_first_pipeline_num_layers,
         args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split,
         args.account_for_loss_in_pipeline_split)
@@ -107,7 +109,7 @@ def study(cfg, lay: pm.Layout, split: list[int]) -> tuple[list[dict], dict]:
     rows, recs = [], {}
     for loss in LOSSES:
         lay_l = lay.replace(loss=loss)
-        recs[loss] = pm.recommend(cfg, lay_l)
+        recs[loss] = pp_split.recommend(cfg, lay_l)
         splits = {"given": split}
         if recs[loss] is not None:
             splits["rebalanced"] = recs[loss].split
@@ -127,9 +129,9 @@ def cce_buys(cfg, lay: pm.Layout, budget: float) -> dict:
     out = {}
     for loss in LOSSES:
         lay_l = lay.replace(loss=loss)
-        out[loss] = {"pp": pm.fewest_stages(cfg, lay_l, budget),
-                     "seq_length": pm.largest(cfg, lay_l, "seq_length", budget, step=step),
-                     "micro_batch": pm.largest(cfg, lay_l, "micro_batch", budget, limit=4096)}
+        out[loss] = {"pp": pp_split.fewest_stages(cfg, lay_l, budget),
+                     "seq_length": pp_split.largest(cfg, lay_l, "seq_length", budget, step=step),
+                     "micro_batch": pp_split.largest(cfg, lay_l, "micro_batch", budget, limit=4096)}
     return out
 
 
@@ -213,7 +215,7 @@ def launcher_command(args, lay: pm.Layout, loss: str, split: list[int], log_json
         cmd.append("--sequence-parallel")
     if lay.distributed_optimizer:
         cmd.append("--use-distributed-optimizer")
-    if lay.pp > 1 and split != pm.stage_layer_counts(sum(split), lay.pp):
+    if lay.pp > 1 and split != pp_split.stage_layer_counts(sum(split), lay.pp):
         cmd += ["--decoder-first-pipeline-num-layers", str(split[0]),
                 "--decoder-last-pipeline-num-layers", str(split[-1])]
     return cmd

@@ -1,7 +1,7 @@
 """The training loop of the launcher (scripts/pretrain_gpt.py): build, train, log, save.
 
-:func:`train` is callable more than once in a process (scripts/compare_losses.py runs it once
-per loss implementation); :func:`main` is the command line.
+:func:`train` is callable more than once in a process (lce_train.compare_losses runs it
+once per loss implementation); :func:`main` is the command line.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def train(args, log=print) -> list[dict]:
     The records (step, loss, lr, grad_norm, tokens_per_s, step_s, per stage: peak_gib and
     resident_gib, what is allocated when a step starts) are
     returned on the reporting rank (last pipeline stage, TP rank 0, DP rank 0); other ranks
-    return an empty list. Callable more than once in a process (scripts/compare_losses.py).
+    return an empty list. Callable more than once in a process (lce_train.compare_losses).
     """
     from lce_train.megatron_cpu import applied, enable_cpu_mode
 

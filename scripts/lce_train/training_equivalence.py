@@ -8,7 +8,7 @@ train like megatron's own? (results and the recipe in docs/training_equivalence.
     lce-training-equivalence run --cpu-smoke --out /tmp/eq --corpora zipf
 
 ``run`` trains every (corpus, variant, seed) of configs/experiments/training_equivalence.yaml
-with the launcher script of a source checkout (pretrain_gpt.py), one GPU per run
+with the installed launcher (``-m lce_train.training``, as from a wheel), one GPU per run
 (``CUDA_VISIBLE_DEVICES``, ``torchrun --nproc-per-node 1`` with its own ``--master-port``), at
 most one run per visible GPU at a time;
 each run writes ``<out>/<corpus>_<variant>_s<seed>.jsonl`` (the launcher's ``--log-json``: one
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import argparse
 
-from lce_train.equivalence_config import DEFAULT_CONFIG, ROOT
+from lce_train.equivalence_config import CHECKOUT, DEFAULT_CONFIG
 from lce_train.equivalence_logs import cmd_compact
 from lce_train.equivalence_report import cmd_report
 from lce_train.equivalence_run import DEFAULT_BASE_PORT, cmd_run
@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a launcher flag of every run, e.g. --set eval-interval=50")
     run.add_argument("--jobs", type=int, default=None,
                      help="runs at a time (default: one per visible GPU; 1 with --cpu-smoke)")
-    run.add_argument("--data-dir", default=str(ROOT / ".data"),
-                     help="folder of the text corpus's token files")
+    run.add_argument("--data-dir", default=str(CHECKOUT / ".data") if CHECKOUT else ".data",
+                     help="folder of the text corpus's token files (default: the checkout's "
+                          ".data/; installed from a wheel, .data/ in the current directory)")
     run.add_argument("--data-cache", default="/tmp/fused_lce_data",
                      help="where compressed token files are unpacked")
     run.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     compact = sub.add_parser("compact", help="a folder of logs -> one small file for report")
     compact.add_argument("--out", required=True, help="folder of the logs")
     compact.add_argument("--dest", required=True, help="the file to write (.jsonl.gz)")
-    compact.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(ROOT)))
+    compact.add_argument("--config", default=str(DEFAULT_CONFIG.relative_to(CHECKOUT)
+                                                 if CHECKOUT else DEFAULT_CONFIG))
     compact.set_defaults(func=cmd_compact)
     return p
 

@@ -1,6 +1,6 @@
 """Time the Triton kernels under several tile configs on this GPU; print a table, best first.
 
-    python scripts/tune_kernels.py --model gemma2_2b --tokens 8192 [--tma 1 0]
+    python scripts/studies/tune_kernels.py --model gemma2_2b --tokens 8192 [--tma 1 0]
 
 We pin one config per GPU family in the kernel files (no autotuning at run time, for fast start-up
 and reproducible results); this script is how those pins are chosen. It times the linear-log-sum-exp
@@ -12,23 +12,16 @@ GEMM of the same size, with the tiles read through tensor descriptors (TMA, the 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-# Import the installed packages, not lce_train's source folder beside this file: the install
-# maps the top-level configs/ in as lce_train.configs, which that folder lacks.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-
-from fused_lce.kernels import gemm_backward as grad_logits_module  # noqa: E402
-from fused_lce.kernels import lse_forward as lse_module  # noqa: E402
-from fused_lce.kernels.common import TileConfig  # noqa: E402
-from fused_lce.options import LCEOptions  # noqa: E402
-from fused_lce.terms import grad_coefficients  # noqa: E402
-from fused_lce.triton_shard import prepare_rows  # noqa: E402
-from lce_train.configs import load_model_config  # noqa: E402
+from fused_lce.kernels import gemm_backward as grad_logits_module
+from fused_lce.kernels import lse_forward as lse_module
+from fused_lce.kernels.common import TileConfig
+from fused_lce.options import LCEOptions
+from fused_lce.terms import grad_coefficients
+from fused_lce.triton_shard import prepare_rows
+from lce_train.configs import load_model_config
 
 CANDIDATES = [
     TileConfig(128, 256, 64, 8, 3),

@@ -1,6 +1,6 @@
 """Where each cce strategy is the best choice: one GPU, named shapes, budgets and workloads.
 
-    python scripts/bench_strategies.py --out RESULTS_DIR
+    python scripts/studies/bench_strategies.py --out RESULTS_DIR
 
 Every strategy the op keeps must win somewhere (or provide a feature nothing else does); this
 script times them side by side, with torch.compile as the yardstick, in two workloads:
@@ -13,7 +13,7 @@ script times them side by side, with torch.compile as the yardstick, in two work
 - ``weighted``: per-token losses times per-token weights that are not a multiple of the loss
   mask (RL advantages, importance weights). The forward's gradients then do not apply, the
   default recomputes them (six GEMMs), and the recomputing (``gemm``, four GEMMs) and
-  ``recompute_logits=False`` (``kept``, three GEMMs at a bf16 logits tensor's memory) backwards
+  ``keep_logits=True`` (``kept``, three GEMMs at a bf16 logits tensor's memory) backwards
   are the ones to compare. When the weights are known before the forward, passing them as
   ``loss_mask`` lets the default keep its forward's gradients (the row ``weights as
   loss_mask``); ``kept`` is for an upstream gradient the forward cannot know.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import math
 import sys
 import warnings
@@ -35,15 +34,13 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
-bench_lce = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lce"] = bench_lce  # its dataclasses look their module up
-_spec.loader.exec_module(bench_lce)
-
-import fused_lce.backward_plan as backward_plan  # noqa: E402
-from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
+import fused_lce.backward_plan as backward_plan
+from fused_lce import linear_cross_entropy
+from fused_lce.options import LEAN_SCRATCH_MB
+from lce_train.bench_lce_inputs import Case, make_inputs
+from lce_train.bench_lce_providers import torch_loss
+from lce_train.bench_lce_timing import gemm_ceiling, measure
+from lce_train.configs import load_model_config
 
 SHAPES = {  # name: (model config, tensor-parallel ranks)
     "gemma2_2b": ("gemma2_2b", 1),
@@ -72,7 +69,7 @@ def _without_borrowing(fn):
 
 def mean_strategies() -> dict:
     """The mean loss: each strategy and budget the planner can take."""
-    compiled = torch.compile(bench_lce.torch_loss)
+    compiled = torch.compile(torch_loss)
     lean = _cce(scratch_mb=LEAN_SCRATCH_MB)
     return {
         "torch.compile": compiled,
@@ -83,7 +80,7 @@ def mean_strategies() -> dict:
         "gemm, 512 MiB": _cce(scratch_mb=512, backward="gemm"),
         "lean (auto: gemm, borrowed where it fits)": lean,
         "lean, token_chunks only": _without_borrowing(lean),
-        "kept": _cce(recompute_logits=False),
+        "kept": _cce(keep_logits=True),
         "tiles, safe filter": _cce(backward="tiles"),
         "tiles, no filter": _cce(backward="tiles", filter_eps=None),
         "chunked (PyTorch, vocab chunks)": lambda h, w, t: linear_cross_entropy(
@@ -116,7 +113,7 @@ def weighted_strategies(n_tokens: int) -> dict:
         "in_forward (default; recomputes)": weighted(),
         "in_forward, weights as loss_mask": weights_as_loss_mask,
         "gemm": weighted(backward="gemm"),
-        "kept": weighted(recompute_logits=False),
+        "kept": weighted(keep_logits=True),
     }
 
 
@@ -125,12 +122,12 @@ def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int,
     rows = []
     for shape in shapes:
         model, tp = SHAPES[shape]
-        cfg = bench_lce.load_model_config(model)
+        cfg = load_model_config(model)
         vocab = math.ceil(cfg.vocab_size / tp)
-        case = bench_lce.Case(shape, n_tokens, vocab, cfg.hidden_size, regime)
-        hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+        case = Case(shape, n_tokens, vocab, cfg.hidden_size, regime)
+        hidden, weight, target = make_inputs(case, torch.bfloat16, "cuda")
         target = target % vocab  # a shard's targets fall in its shard (the rest is the same work)
-        ceiling = bench_lce.gemm_ceiling(case, torch.bfloat16, rep_ms)
+        ceiling = gemm_ceiling(case, torch.bfloat16, rep_ms)
         floor_ms = 3 * 2 * n_tokens * vocab * cfg.hidden_size / ceiling / 1e9
         print(f"# {shape} N={n_tokens} V={vocab} D={cfg.hidden_size} {regime}: cuBLAS "
               f"{ceiling:.0f} TFLOP/s, 3-GEMM floor {floor_ms:.2f} ms", flush=True)
@@ -141,7 +138,7 @@ def run(shapes: list[str], n_tokens: int, regime: str, rep_ms: int,
                 if only is not None and not any(part in name for part in only.split("|")):
                     continue
                 try:
-                    result = bench_lce.measure(fn, hidden, weight, target, rep_ms)
+                    result = measure(fn, hidden, weight, target, rep_ms)
                 except Exception as exc:  # noqa: BLE001  (out of memory, a refused budget)
                     print(f"# {shape} {workload} {name}: {type(exc).__name__}: {exc}"[:300])
                     result = {"fwd_bwd_ms": math.nan, "extra_mib": math.nan}

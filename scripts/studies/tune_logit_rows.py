@@ -1,6 +1,6 @@
 """Time the logit_rows kernels (row statistics; G in place) over one token chunk of logits.
 
-    python scripts/tune_logit_rows.py [--rows 4096] [--vocab 256000 128256 32064]
+    python scripts/studies/tune_logit_rows.py [--rows 4096] [--vocab 256000 128256 32064]
 
 For each block config it prints the median time and the bandwidth it reached (bytes the kernel
 must move: the statistics read each logit once, G reads and writes it), beside a plain copy of

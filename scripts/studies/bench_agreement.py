@@ -1,8 +1,8 @@
 """What the ranks' per-call agreement costs the vocab-parallel layer (parallel/agreement.py).
 
-    python scripts/bench_agreement.py                          # one GPU (TP=1)
-    torchrun --nproc-per-node 2 scripts/bench_agreement.py     # TP = the world size, NCCL
-    torchrun --nproc-per-node 2 scripts/bench_agreement.py --cpu-smoke   # gloo, tiny shapes
+    python scripts/studies/bench_agreement.py                          # one GPU (TP=1)
+    torchrun --nproc-per-node 2 scripts/studies/bench_agreement.py     # TP = the world size, NCCL
+    torchrun --nproc-per-node 2 scripts/studies/bench_agreement.py --cpu-smoke   # gloo, tiny shapes
 
 At the Gemma-2 shape (N=8192 tokens, D=2304, V=256000 padded to a multiple of 128 x TP, bf16,
 softcap 30), called as the megatron adapter calls the layer (explicit layout), it measures on
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     layer_options = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          softcap=shape["softcap"], z_loss=0.0, impl=impl, backward="auto",
                          filter_eps="safe", vocab_sort=True, deterministic=False,
-                         round_logits=False, recompute_logits=True, vocab_chunk_size=None,
+                         round_logits=False, keep_logits=False, vocab_chunk_size=None,
                          scratch_mb=None)
 
     def agree(check_targets: bool):

@@ -1,7 +1,7 @@
 """Where the default mode's time goes, shape by shape: GEMMs, each pass over the logits, small
 kernels, launch gaps, host time. One GPU.
 
-    python scripts/profile_default.py --out OUT/profile
+    python scripts/studies/profile_default.py --out OUT/profile
 
 For each shape and token count it prints and writes (``breakdown.csv``, ``kernels.json``):
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import math
 import sys
@@ -38,21 +37,19 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
-bench_lce = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lce"] = bench_lce
-_spec.loader.exec_module(bench_lce)
-
-from fused_lce import linear_cross_entropy  # noqa: E402
-from fused_lce.forward_grad import plan_forward_gradients  # noqa: E402
-from fused_lce.options import LCEOptions  # noqa: E402
+from fused_lce import linear_cross_entropy
+from fused_lce.forward_grad import plan_forward_gradients
+from fused_lce.options import LCEOptions
+from lce_train.bench_lce_inputs import Case, make_inputs
+from lce_train.bench_lce_providers import providers, two_pass_cce
+from lce_train.bench_lce_timing import gemm_ceiling, steps_median_ms
+from lce_train.configs import load_model_config
 
 CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
     ("statistics", ("_row_statistics_kernel",)),
     ("G pass", ("_grad_in_place_kernel",)),
     ("exp GEMM", ("_exp_logits_kernel",)),
-    # The lean mode's Triton GEMMs (scripts/lean_roofline.py).
+    # The lean mode's Triton GEMMs (scripts/studies/lean_roofline.py).
     ("lse forward", ("_lse_forward_kernel",)),
     ("grad logits", ("_grad_logits_kernel",)),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_")),
@@ -68,7 +65,7 @@ def category(kernel_name: str) -> str:
 
 def step_fn(h, w, t, compiled=None, two_pass=False, **options):
     """One fwd+bwd step of ours (``two_pass``: with the walk of 2026-11-25), or of ``compiled``."""
-    loss_fn = (bench_lce.two_pass_cce() if two_pass
+    loss_fn = (two_pass_cce() if two_pass
                else lambda h, w, t: linear_cross_entropy(h, w, t, impl="cce", **options))
 
     def step():
@@ -211,7 +208,7 @@ def peer_row(name: str, step, h, w, columns: dict) -> dict:
     row = dict.fromkeys(columns, float("nan"))
     row["variant"] = name
     row["extra_mib"] = extra_memory_mib(step, h, w)
-    row["wall_ms"] = bench_lce.steps_median_ms(step)
+    row["wall_ms"] = steps_median_ms(step)
     per_category, per_kernel, _ = kernel_breakdown(step)
     for category_name, _ in CATEGORIES:
         row[f"{category_name}_ms"] = per_category.get(category_name, 0.0)
@@ -225,17 +222,17 @@ def peer_row(name: str, step, h, w, columns: dict) -> dict:
 def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
              tp: int = 1, peers: tuple[str, ...] = ("torch.compile",)) -> tuple[list[dict], dict]:
     """One shape; ``tp`` > 1 times one tensor-parallel rank's work (its V/tp vocabulary shard,
-    every token), as scripts/bench_strategies.py does. ``peers``: scripts/bench_lce.py providers
-    profiled beside ours (their GEMMs count under "gemm" where their names say so)."""
-    cfg = bench_lce.load_model_config(model)
+    every token), as scripts/studies/bench_strategies.py does. ``peers``: scripts/bench_lce.py
+    providers profiled beside ours (their GEMMs count under "gemm" where their names say so)."""
+    cfg = load_model_config(model)
     vocab = math.ceil(cfg.vocab_size / tp)
     label = model if tp == 1 else f"{model}_tp{tp}"
-    case = bench_lce.Case(model, n_tokens, vocab, cfg.hidden_size, regime)
-    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    case = Case(model, n_tokens, vocab, cfg.hidden_size, regime)
+    hidden, weight, target = make_inputs(case, torch.bfloat16, "cuda")
     target = target % vocab  # a shard's targets fall in its shard (the rest is the same work)
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
-    ceiling = bench_lce.gemm_ceiling(case, torch.bfloat16, 100)
+    ceiling = gemm_ceiling(case, torch.bfloat16, 100)
     floor_ms = 3 * 2 * n_tokens * vocab * cfg.hidden_size / ceiling / 1e9
     rows, kernels = [], {}
     default_rows = plan_forward_gradients(LCEOptions(), n_tokens, vocab,
@@ -246,13 +243,13 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
     for variant, (options, chunk_rows) in variants.items():
         step = step_fn(h, w, target, **options)
         extra_mib = extra_memory_mib(step, h, w)
-        wall = bench_lce.steps_median_ms(step)
+        wall = steps_median_ms(step)
         per_category, per_kernel, largest_gaps = kernel_breakdown(step)
         unchecked = (step if options.get("two_pass")
                      else step_fn(h, w, target, check_targets=False, **options))
         if out is not None and variant == "default":
             host_profile(unchecked, out / f"host_{label}_{n_tokens}.txt")
-        gemms_only = bench_lce.steps_median_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
+        gemms_only = steps_median_ms(gemm_only_step(h.detach(), w.detach(), chunk_rows))
         row = {"shape": label, "tokens": n_tokens, "regime": regime, "variant": variant,
                "chunk_rows": chunk_rows, "wall_ms": wall, "gemm_only_wall_ms": gemms_only,
                "host_ms": host_ms(unchecked), "extra_mib": extra_mib,
@@ -267,7 +264,7 @@ def run_case(model: str, n_tokens: int, regime: str, out: Path | None,
         kernels[f"{label} N={n_tokens} {variant}"] = per_kernel
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
-    for name, loss_fn in bench_lce.providers(list(peers)).items():
+    for name, loss_fn in providers(list(peers)).items():
         try:
             row = peer_row(name, step_fn(h, w, target, compiled=loss_fn), h, w, rows[0])
         except Exception as error:  # a peer refusing a shape

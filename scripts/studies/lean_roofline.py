@@ -1,7 +1,7 @@
 """The lean mode's distance to its roofline: each of its GEMMs' rate against cuBLAS's at the
 same shape, and what the mode would take with its Triton GEMMs at cuBLAS's rate. One GPU.
 
-    python scripts/lean_roofline.py [--cases gemma2_2b:8192 llama3_8b:8192 phi3_5_mini:8192]
+    python scripts/studies/lean_roofline.py [--cases gemma2_2b:8192 llama3_8b:8192 phi3_5_mini:8192]
 
 The lean mode (``scratch_mb=12``, under 16 MiB) stores no logits, so it computes them twice:
 the forward's Triton GEMM with the log-sum-exp in its epilogue (``_lse_forward_kernel``), and
@@ -31,9 +31,12 @@ _spec = importlib.util.spec_from_file_location("profile_default", HERE / "profil
 profile_default = importlib.util.module_from_spec(_spec)
 sys.modules["profile_default"] = profile_default
 _spec.loader.exec_module(profile_default)
-bench_lce = profile_default.bench_lce
 
 from fused_lce.options import LEAN_SCRATCH_MB  # noqa: E402
+from lce_train.bench_lce_inputs import Case, make_inputs  # noqa: E402
+from lce_train.bench_lce_providers import torch_loss  # noqa: E402
+from lce_train.bench_lce_timing import gemm_ceiling, steps_median_ms  # noqa: E402
+from lce_train.configs import load_model_config  # noqa: E402
 
 FAMILIES = (  # (label, profile_default's category, GEMMs it counts)
     ("forward Triton GEMM (lse)", "lse forward", 1),
@@ -43,20 +46,20 @@ FAMILIES = (  # (label, profile_default's category, GEMMs it counts)
 
 
 def run_case(model: str, n_tokens: int) -> dict:
-    cfg = bench_lce.load_model_config(model)
-    case = bench_lce.Case(model, n_tokens, cfg.vocab_size, cfg.hidden_size, "trained")
-    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    cfg = load_model_config(model)
+    case = Case(model, n_tokens, cfg.vocab_size, cfg.hidden_size, "trained")
+    hidden, weight, target = make_inputs(case, torch.bfloat16, "cuda")
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
     lean = profile_default.step_fn(h, w, target, scratch_mb=LEAN_SCRATCH_MB)
     lean_mib = profile_default.extra_memory_mib(lean, h, w)
-    lean_ms = bench_lce.steps_median_ms(lean)
+    lean_ms = steps_median_ms(lean)
     compiled = profile_default.step_fn(h, w, target,
-                                       compiled=torch.compile(bench_lce.torch_loss))
+                                       compiled=torch.compile(torch_loss))
     compiled(), compiled()
-    compile_ms = bench_lce.steps_median_ms(compiled)
+    compile_ms = steps_median_ms(compiled)
     per_category, _, _ = profile_default.kernel_breakdown(lean)
-    rate = bench_lce.gemm_ceiling(case, torch.bfloat16, 100)  # TFLOP/s of cuBLAS's mm
+    rate = gemm_ceiling(case, torch.bfloat16, 100)  # TFLOP/s of cuBLAS's mm
     gemm_tflop = 2 * n_tokens * cfg.vocab_size * cfg.hidden_size / 1e12
     cublas_ms = gemm_tflop / rate * 1e3
     triton_ms = sum(per_category.get(category, 0.0) for _, category, _ in FAMILIES[:2])

@@ -1,31 +1,27 @@
 """The mean loss's error against float64 over many draws of the data, ours beside torch.compile.
 
-    python scripts/experiment_loss_seeds.py [--models phi3_5_mini ...] [--seeds 8]
+    python scripts/studies/experiment_loss_seeds.py [--models phi3_5_mini ...] [--seeds 8]
 
 One draw tells a bias from luck poorly: torch.compile's loss reads bf16-rounded logits, whose
 per-token errors (about 3e-2 nats RMS) are large but random, so their mean over N tokens lands
 anywhere within a few RMS / sqrt(N) of zero; ours reads the tensor cores' fp32 accumulation,
 whose per-token errors are 200x smaller but biased (docs/benchmarks/single_gpu.md).
-This draws ``--seeds`` data sets per shape (scripts/bench_lce.py's ``make_inputs``) and prints
-each provider's signed relative error of the mean loss per draw, then the median of its size
-and the mean of its sign over the draws. Forward only: the loss is the same number either way.
+This draws ``--seeds`` data sets per shape (``lce_train.bench_lce_inputs.make_inputs``, as
+scripts/bench_lce.py draws them) and prints each provider's signed relative error of the mean
+loss per draw, then the median of its size and the mean of its sign over the draws. Forward
+only: the loss is the same number either way.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
-bench_lce = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lce"] = bench_lce
-_spec.loader.exec_module(bench_lce)
+from lce_train.bench_lce_inputs import Case, make_inputs
+from lce_train.bench_lce_providers import providers
+from lce_train.configs import load_model_config
 
 
 def fp64_loss(hidden, weight, target, rows: int = 1024) -> float:
@@ -48,16 +44,16 @@ def main(argv=None) -> None:
     parser.add_argument("--providers", nargs="+", default=["cce", "torch.compile"])
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
-    chosen = bench_lce.providers(args.providers)
+    chosen = providers(args.providers)
     print(f"# {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}, "
           f"N={args.tokens}, {args.regime}; signed relative error of the mean loss per draw",
           flush=True)
     for model in args.models:
-        cfg = bench_lce.load_model_config(model)
-        case = bench_lce.Case(model, args.tokens, cfg.vocab_size, cfg.hidden_size, args.regime)
+        cfg = load_model_config(model)
+        case = Case(model, args.tokens, cfg.vocab_size, cfg.hidden_size, args.regime)
         errors = {name: [] for name in chosen}
         for seed in range(args.seeds):
-            hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, args.device,
+            hidden, weight, target = make_inputs(case, torch.bfloat16, args.device,
                                                            seed=seed)
             reference = fp64_loss(hidden, weight, target)
             with torch.no_grad():

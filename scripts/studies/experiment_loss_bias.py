@@ -1,7 +1,7 @@
 """Where the bf16 walk's loss error on trained-like data comes from: per-token lse and target
 logit of each path against float64, mean (bias) and RMS. One GPU.
 
-    python scripts/experiment_loss_bias.py [--model phi3_5_mini --tokens 8192]
+    python scripts/studies/experiment_loss_bias.py [--model phi3_5_mini --tokens 8192]
 
 Paths: the exponentials GEMM's statistics and target_logits (kernels/exp_logits.py); cuBLAS
 logits in fp32 (bf16 operands, the tensor cores' fp32 accumulation, no rounding of the output);
@@ -11,20 +11,13 @@ cuBLAS logits rounded to bf16 (what torch.compile and the two-pass walk read).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_lce", HERE / "bench_lce.py")
-bench_lce = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lce"] = bench_lce
-_spec.loader.exec_module(bench_lce)
-
-from fused_lce.kernels.exp_logits import exp_logits, target_logits  # noqa: E402
+from fused_lce.kernels.exp_logits import exp_logits, target_logits
+from lce_train.bench_lce_inputs import Case, make_inputs
+from lce_train.configs import load_model_config
 
 
 def summary(name: str, value: torch.Tensor, reference: torch.Tensor) -> None:
@@ -39,9 +32,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--regime", default="trained")
     args = parser.parse_args(argv)
-    cfg = bench_lce.load_model_config(args.model)
-    case = bench_lce.Case(args.model, args.tokens, cfg.vocab_size, cfg.hidden_size, args.regime)
-    hidden, weight, target = bench_lce.make_inputs(case, torch.bfloat16, "cuda")
+    cfg = load_model_config(args.model)
+    case = Case(args.model, args.tokens, cfg.vocab_size, cfg.hidden_size, args.regime)
+    hidden, weight, target = make_inputs(case, torch.bfloat16, "cuda")
     rows = 2048
     print(f"# {torch.cuda.get_device_name()} {args.model} N={args.tokens} {args.regime}; "
           f"errors against float64 per token, nats")
