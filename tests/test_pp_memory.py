@@ -246,6 +246,24 @@ def test_measure_dry_run_and_parser(capsys):
     assert pp_memory_balance.parse_peaks(log, "resident_gib") == [0.6, 0.7]
 
 
+def test_measure_runs_torchrun_under_this_interpreter(monkeypatch):
+    """--measure needs no torchrun on PATH: a venv used without activating it has none."""
+    launched = []
+
+    class Launched(Exception):
+        pass
+
+    def run(cmd, check):
+        launched.append(cmd)
+        raise Launched
+
+    monkeypatch.setattr(pp_memory_balance.subprocess, "run", run)
+    with pytest.raises(Launched):
+        pp_memory_balance.main(["--config", "gemma2_2b", "--measure"])
+    assert launched[0][:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "lce_train.training" in launched[0]
+
+
 def test_measure_overrides_layers_and_predicts_the_launchers_attention(capsys):
     pp_memory_balance.main(["--config", "llama3_8b", "--num-layers", "8",
                             "--pipeline-model-parallel-size", "4", "--measure", "--dry-run"])

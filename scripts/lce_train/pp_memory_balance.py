@@ -30,6 +30,7 @@ import importlib.util
 import json
 import shlex
 import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -256,7 +257,10 @@ def measure(args, cfg, lay: pm.Layout, split: list[int], recs: dict) -> list[dic
                 print("$ " + shlex.join(cmd), flush=True)
                 if args.dry_run:
                     continue
-                subprocess.run(cmd, check=True)
+                # torchrun's own module under this interpreter: a torchrun on PATH may be
+                # another environment's, or absent where the venv is not activated.
+                subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]],
+                               check=True)
                 log_text = Path(log_json).read_text()
             measured, resident = parse_peaks(log_text), parse_peaks(log_text, "resident_gib")
             for st, meas, res in zip(pm.stage_memory(cfg, lay_l, sp), measured, resident):
