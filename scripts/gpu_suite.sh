@@ -10,6 +10,8 @@
 #
 # Stages:
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
+#   gpu-tests    every test file with GPU cases, a log each: one-GPU cases a file per GPU at a
+#                time, then the multi-GPU (NCCL) cases
 #   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py, TP=2 edge cases in
 #                tests/test_parallel_reliability_gpu.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
@@ -92,6 +94,21 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
     tests)
         run tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py \
             tests/test_parallel_reliability_gpu.py tests/test_megatron_plugin.py
+        ;;
+    gpu-tests)
+        # Every test file with GPU cases (requires_cuda / requires_gpus), one log each: the
+        # one-GPU cases first, a file per GPU at a time, then the multi-GPU cases on all of them.
+        mapfile -t files < <(grep -l "requires_cuda\|requires_gpus" tests/test_*.py)
+        for ((i = 0; i < ${#files[@]}; i += ngpu)); do
+            for ((g = 0; g < ngpu && i + g < ${#files[@]}; g++)); do
+                f=${files[i + g]}
+                CUDA_VISIBLE_DEVICES=$g run "one_gpu_$(basename "$f" .py)" 900 python3 -m pytest \
+                    -q -rfE -p no:cacheprovider "$f" -m "requires_cuda" &
+            done
+            wait
+        done
+        run multi_gpu 900 python3 -m pytest -q -rfE -p no:cacheprovider "${files[@]}" \
+            -m "requires_gpus"
         ;;
     bench)
         run bench_parallel 300 torchrun --nproc-per-node "$ngpu" -m lce_train.bench_parallel \
