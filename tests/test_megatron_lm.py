@@ -193,6 +193,24 @@ def test_step_report_reads_rounds_and_compares_graphs_with_eager(tmp_path, capsy
     assert out.rstrip().endswith("| 2.50e-01 |")
 
 
+def test_step_report_lists_cce_without_its_graphs_only_where_run(tmp_path, capsys):
+    """LOSSES="... cce_eager" (--cce-no-cuda-graphs) gets its own row, after cce's; a results
+    folder without such logs gets none."""
+    from lce_train import megatron_lm_report as report
+
+    losses = [11.0 - 0.1 * i for i in range(20)]
+    times = {i: 130.0 for i in range(1, 21)}
+    (tmp_path / "tp4__cce__r1.log").write_text(_log(losses, {0: 2646.0}, times))
+    report.main([str(tmp_path), "--step", "--skip", "10"])
+    assert "cce_eager" not in capsys.readouterr().out
+    slower = {i: 140.0 for i in range(1, 21)}
+    (tmp_path / "tp4__cce_eager__r1.log").write_text(_log(losses, {0: 2646.0}, slower))
+    report.main([str(tmp_path), "--step", "--skip", "10"])
+    rows = [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| cce")]
+    assert rows == ["| cce", "| cce_graphs", "| cce_eager"]
+
+
 def test_step_script_is_valid_bash():
     script = Path(__file__).parents[1] / "scripts" / "megatron_lm_step.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
