@@ -42,7 +42,9 @@ setup(
         "lce-bench-parallel = lce_train.bench_parallel:main",
     ]},
     install_requires=[
-        "torch>=2.4",
+        # torch's Linux CUDA wheels pin their triton: 2.8 is the first whose pin (3.4) lies in
+        # the range below, so an older torch could not be installed beside it.
+        "torch>=2.8",
         "numpy",
         # Triton ships Linux wheels only; elsewhere the pure-PyTorch paths are used. The range
         # is where the kernels were run: 3.6 on the GPU machines, 3.4 to 3.9 under the

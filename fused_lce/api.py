@@ -12,7 +12,6 @@ chosen implementation:
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import math
 
@@ -25,6 +24,7 @@ from . import faults
 from .checks import (  # noqa: F401
     autocast_on,
     autocast_operands,
+    autograd_inside_an_op,
     check_flag,
     check_loss_mask,
     check_target_range,
@@ -90,7 +90,9 @@ def linear_cross_entropy(
         num_classes: weight rows at or past this index are vocabulary padding, not classes.
         backward: cce backward, "auto", "in_forward" (gradients computed in the forward, three
             GEMMs), "gemm" (gradient chunks + GEMMs in the backward) or "tiles" (fused tile
-            kernel with gradient filtering and vocab sorting).
+            kernel with gradient filtering and vocab sorting). "auto" computes in the forward
+            where it fits, except for fp16, whose gradients need the loss scale before their
+            cast (docs/algorithm.md, "fp16: gradients after the loss scale").
         filter_eps: tiles backward filtering: "safe" (default), "paper", a float, or None (off).
         vocab_sort: tiles backward: walk the vocabulary by mean logit so negligible tiles cluster.
         deterministic: bitwise repeatable results (cce: no order-dependent atomics).
@@ -330,25 +332,6 @@ def _(input, weight, target, bias, loss_mask, words, *rest):
     return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
 
 
-# A custom op's kernel runs with autograd's dispatch keys excluded, which would keep the views
-# and slices the op makes of its leaves out of the graph: the backward op puts them back while it
-# differentiates the eager op (autocast's stay excluded).
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
-    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"))
-
-
-@contextlib.contextmanager
-def _autograd_inside_an_op():
-    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _AUTOGRAD_KEYS]
-    for key in _AUTOGRAD_KEYS:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
-        yield
-    finally:
-        for key, was in zip(_AUTOGRAD_KEYS, excluded):
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
-
-
 @torch.library.custom_op(
     "fused_lce::loss_backward", mutates_args=(),
     schema="(Tensor? grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
@@ -359,7 +342,7 @@ def _compiled_loss_backward(grad_loss, grad_lse, input, weight, target, bias, lo
     # (d_bias is an empty tensor without a bias: an op's outputs cannot be None.)
     operands = (input, weight, bias if bias is not None else input.new_empty(0))
     leaves = [x.detach().requires_grad_(need) for x, need in zip(operands, needs)]
-    with _autograd_inside_an_op(), torch.enable_grad():
+    with autograd_inside_an_op(), torch.enable_grad():
         # The targets were checked by the forward.
         outputs = _dispatch(leaves[0], leaves[1], target, leaves[2] if bias is not None else None,
                             _compiled_options(words, *numbers), False, loss_mask)

@@ -89,6 +89,11 @@ def plan_forward_gradients(
     """
     if opts.backward not in ("auto", "in_forward") or opts.keep_logits or n_rows == 0:
         return None
+    if opts.backward == "auto" and dtype == torch.float16:
+        # fp16 ends at 2^-24: a gradient formed for an upstream gradient of 1 (a mean's 1/N
+        # times a softmax entry, or d_hidden ~ |w| / N) lands below it where torch's, scaled by
+        # GradScaler's 2^16 before its cast, does not. The recomputing backward knows the scale.
+        return None
     row_bytes = max(weight_rows, 1) * elem_bytes
     if opts.token_chunk_explicit:
         rows = min(opts.token_chunk, n_rows)

@@ -51,6 +51,8 @@ Collective budget per call (N tokens in the TP group, D hidden, TP ranks, R rows
 
 from __future__ import annotations
 
+import ast
+
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,7 @@ from fused_lce import faults
 from fused_lce.checks import (
     autocast_on,
     autocast_operands,
+    autograd_inside_an_op,
     check_flag,
     check_loss_mask,
     class_ids,
@@ -145,6 +148,20 @@ def vocab_parallel_linear_cross_entropy(
     Returns:
         The loss ("none": shape of ``target``), and with ``return_lse`` the pair (loss, lse).
     """
+    if torch.compiler.is_compiling():
+        loss, lse = _compiled_call(
+            input, weight, target, bias, loss_mask, weight_grad_accumulator,
+            group_name="" if group is None else group.group_name,
+            vocab_start_index=vocab_start_index, vocab_size=vocab_size,
+            sequence_parallel=sequence_parallel, check_targets=check_targets,
+            agree_every_call=agree_every_call, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss, impl=impl,
+            backward=backward, filter_eps=filter_eps, vocab_sort=vocab_sort,
+            deterministic=deterministic, round_logits=round_logits, keep_logits=keep_logits,
+            fp32_weight_grad=fp32_weight_grad, upstream_mismatch=upstream_mismatch,
+            vocab_chunk_size=vocab_chunk_size, token_chunk_size=token_chunk_size,
+            scratch_mb=scratch_mb, tma=tma, cuda_graphs=cuda_graphs)
+        return (loss, lse) if return_lse else loss
     if group is None:
         group = dist.group.WORLD
     # Under autocast the GEMMs take its dtype, as a linear layer's do (every rank alike).
@@ -287,3 +304,124 @@ def _call_facts(input, weight, target, bias, weight_grad_accumulator, options: d
     }
     facts.update({name: repr(value) for name, value in {**options, **more}.items()})
     return facts
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: the layer as one node of the compiled graph
+# ---------------------------------------------------------------------------------------------
+#
+# As for the single-device op (fused_lce/api.py), Dynamo does not trace the layer's Python (its
+# agreement exchanges on the host, its checks branch on what they find): while compiling, the
+# layer calls ``fused_lce::vocab_parallel_loss``, which runs the eager layer without autograd,
+# and its backward ``fused_lce::vocab_parallel_loss_backward`` runs it again with autograd. Both
+# run the layer's collectives inside the node, every rank in the same order. The group travels
+# by name (a custom op takes no process group); its words and typed numbers as in api.py.
+
+_WORDS = ("group_name", "sequence_parallel", "check_targets", "agree_every_call", "reduction",
+          "impl", "backward", "filter_eps", "vocab_sort", "deterministic", "round_logits",
+          "keep_logits", "fp32_weight_grad", "upstream_mismatch", "tma", "cuda_graphs")
+_NUMBERS = ("ignore_index", "label_smoothing", "softcap", "z_loss", "filter_eps",
+            "vocab_chunk_size", "token_chunk_size", "scratch_mb", "vocab_start_index",
+            "vocab_size")
+_NUMBERS_SCHEMA = ("int ignore_index, float label_smoothing, float? softcap, float z_loss, "
+                   "float? filter_eps, int? vocab_chunk_size, int? token_chunk_size, "
+                   "float? scratch_mb, int? vocab_start_index, int? vocab_size")
+
+
+def _compiled_call(input, weight, target, bias, loss_mask, weight_grad_accumulator, **options):
+    """(loss, lse) through the custom ops, the layer's arguments given by name."""
+    if weight_grad_accumulator is not None:
+        raise ValueError(
+            "weight_grad_accumulator must be None under torch.compile: the compiled layer "
+            "returns the weight gradient (add it to your fp32 buffer after the backward, or "
+            "call the layer outside the compiled region)")
+    spelled = isinstance(options["filter_eps"], str)
+    words = [repr("number" if name == "filter_eps" and not spelled else options[name])
+             for name in _WORDS]
+    numbers = [None if name == "filter_eps" and spelled else options[name] for name in _NUMBERS]
+    return torch.ops.fused_lce.vocab_parallel_loss(input, weight, target, bias, loss_mask,
+                                                   ", ".join(words), *numbers)
+
+
+def _eager_arguments(words: str, numbers) -> dict:
+    """The eager layer's keyword arguments, the group resolved, from a compiled call's words
+    and numbers."""
+    arguments = dict(zip(_WORDS, ast.literal_eval(f"({words},)"), strict=True))
+    given = dict(zip(_NUMBERS, numbers, strict=True))
+    if arguments["filter_eps"] == "number":
+        arguments["filter_eps"] = given["filter_eps"]
+    del given["filter_eps"]
+    name = arguments.pop("group_name")
+    group = None if name == "" else dist.distributed_c10d._resolve_process_group(name)
+    return {**arguments, **given, "group": group, "return_lse": True}
+
+
+@torch.library.custom_op(
+    "fused_lce::vocab_parallel_loss", mutates_args=(),
+    schema="(Tensor input, Tensor weight, Tensor target, Tensor? bias, Tensor? loss_mask, "
+           f"str words, {_NUMBERS_SCHEMA}) -> (Tensor, Tensor)")
+def _compiled_loss(input, weight, target, bias, loss_mask, words, *numbers):
+    with torch.no_grad():
+        loss, lse = vocab_parallel_linear_cross_entropy(
+            input, weight, target, bias, loss_mask=loss_mask, **_eager_arguments(words, numbers))
+    return loss, lse
+
+
+@_compiled_loss.register_fake
+def _(input, weight, target, bias, loss_mask, words, *numbers):
+    dtype = torch.promote_types(input.dtype, torch.float32)
+    reduction = dict(zip(_WORDS, ast.literal_eval(f"({words},)")))["reduction"]
+    reduced = target.shape if reduction == "none" else ()
+    return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
+
+
+@torch.library.custom_op(
+    "fused_lce::vocab_parallel_loss_backward", mutates_args=(),
+    schema="(Tensor? grad_loss, Tensor? grad_lse, Tensor input, Tensor weight, Tensor target, "
+           f"Tensor? bias, Tensor? loss_mask, bool[] needs, str words, {_NUMBERS_SCHEMA}) "
+           "-> (Tensor, Tensor, Tensor)")
+def _compiled_loss_backward(grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs,
+                            words, *numbers):
+    # (d_bias is an empty tensor without a bias: an op's outputs cannot be None.)
+    operands = (input, weight, bias if bias is not None else input.new_empty(0))
+    leaves = [x.detach().requires_grad_(need) for x, need in zip(operands, needs)]
+    arguments = {**_eager_arguments(words, numbers), "check_targets": False}  # checked before
+    with autograd_inside_an_op(), torch.enable_grad():
+        outputs = vocab_parallel_linear_cross_entropy(
+            leaves[0], leaves[1], target, leaves[2] if bias is not None else None,
+            loss_mask=loss_mask, **arguments)
+    given = [(out, grad) for out, grad in zip(outputs, (grad_loss, grad_lse)) if grad is not None]
+    wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+    found = iter(torch.autograd.grad([o for o, _ in given], wanted, [g for _, g in given],
+                                     allow_unused=True) if given and wanted else ())
+    grads = [next(found) if need else None for need in needs]
+    return tuple(torch.zeros_like(x) if grad is None else grad
+                 for x, grad in zip(operands, grads))
+
+
+@_compiled_loss_backward.register_fake
+def _(grad_loss, grad_lse, input, weight, target, bias, *rest):
+    return (torch.empty_like(input), torch.empty_like(weight),
+            input.new_empty(0) if bias is None else torch.empty_like(bias))
+
+
+def _setup_compiled_loss(ctx, inputs, output):
+    input, weight, target, bias, loss_mask, words, *numbers = inputs
+    ctx.save_for_backward(input, weight, target, bias, loss_mask)
+    ctx.words, ctx.numbers = words, numbers
+    # An unused lse sends None, not zeros: a gradient through it would make the layer recompute.
+    ctx.set_materialize_grads(False)
+
+
+def _compiled_loss_grad(ctx, grad_loss, grad_lse):
+    input, weight, target, bias, loss_mask = ctx.saved_tensors
+    wants = ctx.needs_input_grad
+    needs = [wants[0], wants[1], bias is not None and wants[3]]
+    d_input, d_weight, d_bias = _compiled_loss_backward(
+        grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs, ctx.words,
+        *ctx.numbers)
+    return (d_input if needs[0] else None, d_weight if needs[1] else None, None,
+            d_bias if needs[2] else None) + (None,) * (len(_NUMBERS) + 2)
+
+
+_compiled_loss.register_autograd(_compiled_loss_grad, setup_context=_setup_compiled_loss)

@@ -74,22 +74,26 @@ def _step(model, data):
     model.zero_grad(set_to_none=True)
     loss = model(*data)
     loss.backward()
-    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    # Clones: under mode="reduce-overhead" the next replay overwrites the graph's outputs.
+    return [loss.detach().clone()] + [p.grad.clone() for p in model.parameters()]
 
 
-def _check(model_class, case: dict, dynamic: bool, backend: str):
+def _check(model_class, case: dict, dynamic: bool | None, backend: str, *, device="cpu",
+           mode: str | None = None, shapes=((2, 37), (3, 29)), tolerance=(1e-5, 1e-6)):
     torch.manual_seed(0)
-    eager = model_class(**case)
-    compiled_model = model_class(**case)
+    eager = model_class(**case).to(device)
+    compiled_model = model_class(**case).to(device)
     compiled_model.load_state_dict(eager.state_dict())
-    compiled = torch.compile(compiled_model, fullgraph=True, dynamic=dynamic, backend=backend)
+    compiled = torch.compile(compiled_model, fullgraph=True, dynamic=dynamic, backend=backend,
+                             mode=mode)
     # Two shapes: with dynamic shapes the second reuses the graph, without it recompiles.
-    for seed, (batch, seq) in enumerate([(2, 37), (3, 29)]):
-        data = _data(batch, seq, seed, case)
+    for seed, (batch, seq) in enumerate(shapes):
+        data = tuple(None if x is None else x.to(device) for x in _data(batch, seq, seed, case))
         expected = _step(eager, data)
         got = _step(compiled, data)
         for name, ours, theirs in zip(["loss", *dict(eager.named_parameters())], got, expected):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(ours, theirs, rtol=tolerance[0], atol=tolerance[1],
+                                       msg=f"{name}, step {seed}")
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -132,3 +136,143 @@ def test_bad_options_are_refused_when_the_compiled_call_runs():
     model = TinyHead(impl="chunked", reduction="median")
     with pytest.raises(ValueError, match="reduction must be one of"):
         torch.compile(model, fullgraph=True, backend="aot_eager")(*_data(2, 37, 0, {})[:2])
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocab-parallel layer compiled whole, on each rank of a group
+# ---------------------------------------------------------------------------------------------
+
+LAYER_CASES = {
+    "mean": dict(),
+    "none-loss-mask": dict(reduction="none"),
+    "sp-softcap-zloss": dict(sequence_parallel=True, softcap=20.0, z_loss=1e-4),
+    "sp-sum-ignore-smoothing": dict(sequence_parallel=True, reduction="sum", ignore_index=-1,
+                                    label_smoothing=0.1),
+}
+
+
+class ShardedHead(nn.Module):
+    """TinyHead with this rank's shard of the output weight and the vocab-parallel layer."""
+
+    def __init__(self, rank: int, world: int, **options):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        full = torch.randn(V, D) * 0.2
+        self.output = nn.Parameter(full[V * rank // world: V * (rank + 1) // world].clone())
+        self.options = options
+
+    def forward(self, hidden, target, loss_mask=None):
+        from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+        hidden = self.norm(torch.relu(self.proj(hidden)))
+        loss = vocab_parallel_linear_cross_entropy(hidden, self.output, target,
+                                                   loss_mask=loss_mask, **self.options)
+        return (loss * loss_mask).sum() if loss_mask is not None else loss
+
+
+def _layer_data(seq: int, batch: int, seed: int, case: dict, rank: int, world: int, device):
+    """(hidden, target, mask) in Megatron's [sequence, batch] layout, hidden sequence-sharded
+    under SP; every rank draws the same whole tensors."""
+    hidden, target, mask = _data(seq, batch, seed, case)
+    if case.get("sequence_parallel"):
+        hidden = hidden[seq * rank // world: seq * (rank + 1) // world]
+    return tuple(None if x is None else x.to(device) for x in (hidden, target, mask))
+
+
+def layer_compile_suite(rank: int, world: int, device_type: str, backend: str,
+                        names: list[str]) -> list[str]:
+    device = torch.device(device_type, rank if device_type == "cuda" else 0)
+    errors = []
+    for name in names:
+        case = dict(LAYER_CASES[name])
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = ShardedHead(rank, world, **case).to(device)
+        compiled_model = ShardedHead(rank, world, **case).to(device)
+        compiled_model.load_state_dict(eager.state_dict())
+        compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
+        for seed in range(2):
+            data = _layer_data(4 * world + 2, 3, seed, case, rank, world, device)
+            expected = _step(eager, data)
+            got = _step(compiled, data)
+            for label, ours, theirs in zip(["loss", *dict(eager.named_parameters())], got,
+                                           expected):
+                if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5):
+                    errors.append(f"rank {rank} {name} seed {seed}: {label} differs by "
+                                  f"{(ours - theirs).abs().max().item():.3g}")
+    return errors
+
+
+def test_the_vocab_parallel_layer_compiles_whole(tmp_path):
+    from helpers_parallel import run_on_ranks
+
+    run_on_ranks(2, layer_compile_suite, "cpu", "aot_eager", list(LAYER_CASES),
+                 out_dir=tmp_path, timeout_s=300)
+
+
+def test_the_layer_refuses_a_weight_grad_accumulator_under_compile(tmp_path):
+    from helpers_parallel import run_on_ranks
+
+    run_on_ranks(1, accumulator_suite, out_dir=tmp_path, timeout_s=120)
+
+
+def accumulator_suite(rank: int, world: int) -> list[str]:
+    from fused_lce.parallel import vocab_parallel_linear_cross_entropy
+
+    def head(hidden, weight, target, accumulator):
+        return vocab_parallel_linear_cross_entropy(hidden, weight, target,
+                                                   weight_grad_accumulator=accumulator)
+
+    weight = torch.randn(V, D, requires_grad=True)
+    try:
+        torch.compile(head, fullgraph=True, backend="aot_eager")(
+            torch.randn(5, D), weight, torch.randint(0, V, (5,)), torch.zeros(V, D))
+    except Exception as exc:  # Dynamo wraps what the traced code raised
+        if "weight_grad_accumulator must be None under torch.compile" in str(exc):
+            return []
+        return [f"raised, but not the accumulator's error: {exc!r}"]
+    return ["a weight_grad_accumulator was accepted under torch.compile"]
+
+
+# ---------------------------------------------------------------------------------------------
+# On GPUs: inductor, CUDA graphs through mode="reduce-overhead", and TP=2 over NCCL
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "default-mean-softcap-zloss": dict(softcap=20.0, z_loss=1e-4),
+    "default-none-loss-mask": dict(reduction="none"),
+    "cce-gemm-sum-ignore-smoothing": dict(backward="gemm", reduction="sum", ignore_index=-1,
+                                          label_smoothing=0.1),
+    "chunked-tokens": dict(impl="chunked", chunk_by="tokens", token_chunk_size=32),
+}
+# Inductor fuses the projection and norm its own way: fp32 roundings differ from eager's.
+GPU_TOLERANCE = (1e-4, 1e-5)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_inductor_compiles_the_head_on_the_gpu(name, dynamic):
+    torch._dynamo.reset()
+    _check(TinyHead, GPU_CASES[name], dynamic, "inductor", device="cuda",
+           tolerance=GPU_TOLERANCE)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_reduce_overhead_mode_replays_the_head_as_cuda_graphs(name):
+    """mode="reduce-overhead": inductor's CUDA graphs record the op (its own graphs stand aside
+    while a stream captures) and replay it on new data of the same shape."""
+    torch._dynamo.reset()
+    _check(TinyHead, GPU_CASES[name], False, "inductor", device="cuda", mode="reduce-overhead",
+           shapes=[(2, 37)] * 5, tolerance=GPU_TOLERANCE)
+
+
+@pytest.mark.requires_gpus(2)
+@pytest.mark.timeout(600)
+def test_the_vocab_parallel_layer_compiles_whole_over_nccl(tmp_path):
+    from helpers_parallel import run_on_ranks
+
+    run_on_ranks(2, layer_compile_suite, "cuda", "inductor", list(LAYER_CASES),
+                 out_dir=tmp_path, backend="nccl", timeout_s=500, interpret=False)

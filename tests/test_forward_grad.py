@@ -428,9 +428,19 @@ def test_exponentials_for_bf16_without_label_smoothing():
     assert exponentials(torch.bfloat16)
     assert exponentials(torch.bfloat16, softcap=30.0, z_loss=1e-4, reduction="none")
     # fp16's range ends at exp(11): a near-uniform row of 256000 classes would overflow it.
-    assert not exponentials(torch.float16)
+    assert not exponentials(torch.float16, backward="in_forward")
     assert not exponentials(torch.float32)
     assert not exponentials(torch.bfloat16, label_smoothing=0.1)
+
+
+def test_fp16_recomputes_in_the_backward_unless_asked_to_walk():
+    """fp16's gradients need the loss scale before their cast (tests/test_loss_scale.py)."""
+    def plan(**options):
+        return plan_forward_gradients(LCEOptions(**options), 8192, 256000, 2304, 2, True,
+                                      torch.float16)
+
+    assert plan() is None
+    assert plan(backward="in_forward") is not None
 
 
 def test_plan_reads_the_scratch_budget_from_the_environment(monkeypatch):

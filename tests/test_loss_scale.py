@@ -26,6 +26,7 @@ SCALES = [1 / 3, 1 / 7, 2.0**16, 2.0**24]
 PATHS = {
     "cce-default": dict(impl="cce"),
     "cce-gemm": dict(impl="cce", backward="gemm"),
+    "cce-in-forward": dict(impl="cce", backward="in_forward"),
     "chunked-tokens": dict(impl="chunked", chunk_by="tokens", token_chunk_size=16),
     "chunked-vocab": dict(impl="chunked", chunk_by="vocab", vocab_chunk_size=64),
 }
@@ -115,3 +116,85 @@ def tensor_parallel_suite(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(600)
 def test_scaled_gradients_are_unbiased_and_finite_across_two_ranks(tmp_path):
     run_on_ranks(2, tensor_parallel_suite, out_dir=tmp_path, timeout_s=300)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 at a real shape on a GPU: small softmax entries under GradScaler's first scale
+# ---------------------------------------------------------------------------------------------
+#
+# Llama-3's head (V = 128256, D = 4096) and one micro-batch of 4096 tokens, a mean loss scaled
+# by 2^16 as GradScaler's first step does. torch's logit gradient is 2^16 / N * (p - y) when it
+# is cast to fp16; a gradient formed before the scale is known is 1 / N * (p - y), 16x smaller:
+# with a near-uniform softmax (p ~ 1 / V ~ 8e-6) that is 2e-9, under fp16's smallest number.
+# Each result is compared with float64 math on the same fp16 inputs: the whole gradients, and
+# the rows of the weight gradient that no token targets (all their terms are softmax entries).
+
+REAL = dict(n=4096, v=128256, d=4096)
+LOGIT_STD = {"near-uniform": 0.5, "peaked": 4.0}
+
+
+def _fp16_problem(regime: str):
+    gen = torch.Generator("cuda").manual_seed(7)
+    n, v, d = REAL["n"], REAL["v"], REAL["d"]
+    hidden = torch.randn(n, d, device="cuda", generator=gen).half()
+    weight = (torch.randn(v, d, device="cuda", generator=gen)
+              * (LOGIT_STD[regime] / d**0.5)).half()
+    target = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    return hidden, weight, target
+
+
+def _fp64_gradients(hidden, weight, target):
+    h, w = hidden.double(), weight.double()
+    grad = torch.softmax(h @ w.t(), dim=1)
+    grad[torch.arange(len(target), device="cuda"), target] -= 1.0
+    grad /= len(target)
+    d_hidden, d_weight = grad @ w, grad.t() @ h
+    return d_hidden, d_weight
+
+
+def _scaled_fp16_gradients(loss_fn, hidden, weight, target, scale):
+    leaves = [x.clone().requires_grad_() for x in (hidden, weight)]
+    (loss_fn(*leaves, target) * scale).backward()
+    return [leaf.grad.double() / scale for leaf in leaves]
+
+
+def _torch_loss(hidden, weight, target):
+    return torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(hidden, weight).float(), target)
+
+
+def _errors(grads, reference, untargeted):
+    d_hidden, d_weight = grads
+    ref_hidden, ref_weight = reference
+    rows = (d_weight[untargeted] - ref_weight[untargeted]).norm(dim=1)
+    return {
+        "d_hidden": ((d_hidden - ref_hidden).norm() / ref_hidden.norm()).item(),
+        "d_weight": ((d_weight - ref_weight).norm() / ref_weight.norm()).item(),
+        "untargeted rows, median": (rows / ref_weight[untargeted].norm(dim=1)).median().item(),
+        "untargeted rows lost": (d_weight[untargeted].abs().amax(dim=1) == 0)
+        .float().mean().item(),
+    }
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("regime", list(LOGIT_STD))
+def test_fp16_small_softmax_entries_survive_where_torchs_do(regime):
+    hidden, weight, target = _fp16_problem(regime)
+    reference = _fp64_gradients(hidden, weight, target)
+    untargeted = torch.ones(REAL["v"], dtype=torch.bool, device="cuda")
+    untargeted[target] = False
+    scale = 2.0**16
+    found = {
+        "torch": _errors(_scaled_fp16_gradients(_torch_loss, hidden, weight, target, scale),
+                         reference, untargeted),
+        "ours": _errors(_scaled_fp16_gradients(linear_cross_entropy, hidden, weight, target,
+                                               scale), reference, untargeted),
+        "ours, backward='in_forward'": _errors(_scaled_fp16_gradients(
+            lambda h, w, t: linear_cross_entropy(h, w, t, backward="in_forward"),
+            hidden, weight, target, scale), reference, untargeted),
+    }
+    for name, errors in found.items():  # the study's table rows (pytest -s shows them)
+        print(f"| {regime} | {name} | " + " | ".join(f"{e:.3g}" for e in errors.values()) + " |")
+    for what, theirs in found["torch"].items():
+        ours = found["ours"][what]
+        assert ours <= 1.1 * theirs + 1e-4, f"{what}: ours {ours:.3g}, torch's {theirs:.3g}"
