@@ -2,8 +2,8 @@
 
     python scripts/gpu_quick_check.py
 
-The full GPU suite is tests/test_gpu.py; this script is the smoke test to run first on a new
-machine (seconds).
+The full GPU suite is tests/op/test_cce_at_scale.py; this script is the smoke test to run first
+on a new machine (seconds).
 """
 
 import torch

@@ -9,8 +9,9 @@
 #   quick     scripts/gpu_quick_check.py: every option group against fp64, TMA and pointer kernels
 #   tune      scripts/studies/tune_kernels.py at the Gemma-2 2B shape, TMA on and off
 #   profile   scripts/profile_lce.py: GPU busy and idle time per step, Gemma and Llama shapes
-#   tests     tests/test_gpu.py (the kernels against fp64 at moderate and large sizes) and
-#             tests/test_reliability_gpu.py (confident tokens, strided arguments)
+#   tests     tests/op/test_cce_at_scale.py (the kernels against fp64 at moderate and large
+#             sizes) and the CUDA cases of tests/op/test_reliability.py (confident tokens, strided
+#             arguments)
 #   bench     scripts/bench_lce.py: ours and the peers, three shapes, N = 8192, both regimes
 #   bench-n   the same at N = 2048 and 65536 (ours, torch.compile, and the peers that fit)
 #   exp-tests the bf16 walk's GPU tests (kernels/exp_logits.py): one GPU, and 2 and 4 ranks
@@ -73,9 +74,10 @@ for stage in "$@"; do
         done
         ;;
     tests)
-        run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py ${TEST_ARGS:-}
+        run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/op/test_cce_at_scale.py \
+            ${TEST_ARGS:-}
         run tests_reliability 300 python3 -m pytest -q -p no:cacheprovider \
-            tests/test_reliability_gpu.py
+            tests/op/test_reliability.py -m requires_cuda
         ;;
     bench)
         run bench 420 python3 scripts/bench_lce.py --models gemma2_2b llama3_8b phi3_5_mini \
@@ -92,9 +94,9 @@ for stage in "$@"; do
         ;;
     exp-tests)
         run exp_tests 300 python3 -m pytest -q -x -p no:cacheprovider \
-            tests/test_forward_grad_gpu.py tests/test_neg_inf_bias_gpu.py
+            tests/op/test_forward_grad.py tests/op/test_neg_inf_bias.py -m requires_cuda
         run exp_tests_parallel 200 python3 -m pytest -q -x -p no:cacheprovider \
-            tests/test_parallel_one_gpu.py -k "gradient_walk and bf16"
+            tests/parallel/test_parallel_one_gpu.py -k "gradient_walk and bf16"
         ;;
     exp-bench)
         run exp_tune 200 python3 scripts/tune_exp_logits.py --rounds 3

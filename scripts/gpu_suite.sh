@@ -12,8 +12,8 @@
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
 #   gpu-tests    every test file with GPU cases, a log each: one-GPU cases a file per GPU at a
 #                time, then the multi-GPU (NCCL) cases
-#   tests        NCCL correctness at TP=2 and 4 (tests/test_parallel_gpu.py, TP=2 edge cases in
-#                tests/test_parallel_reliability_gpu.py) and the Megatron-LM
+#   tests        NCCL correctness at TP=2 and 4 (tests/parallel/test_parallel_nccl.py, TP=2 edge
+#                cases in tests/parallel/test_parallel_reliability.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
 #   bench        lce_train.bench_parallel: TP 1, 2, 4, SP off/on, ours (default, gemm, lean),
 #                megatron's fused and unfused losses and the collectives alone, at the Gemma-2 2B
@@ -92,13 +92,15 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             > "$results/machine.log" 2>&1
         ;;
     tests)
-        run tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py \
-            tests/test_parallel_reliability_gpu.py tests/test_megatron_plugin.py
+        run tests 300 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_parallel_nccl.py \
+            tests/parallel/test_parallel_reliability.py::test_reliability_nccl \
+            tests/megatron/test_megatron_plugin.py
         ;;
     gpu-tests)
         # Every test file with GPU cases (requires_cuda / requires_gpus), one log each: the
         # one-GPU cases first, a file per GPU at a time, then the multi-GPU cases on all of them.
-        mapfile -t files < <(grep -l "requires_cuda\|requires_gpus" tests/test_*.py)
+        mapfile -t files < <(grep -rl --include='test_*.py' "requires_cuda\|requires_gpus" tests \
+            | sort)
         for ((i = 0; i < ${#files[@]}; i += ngpu)); do
             for ((g = 0; g < ngpu && i + g < ${#files[@]}; g++)); do
                 f=${files[i + g]}

@@ -10,7 +10,7 @@ The packages and the folders they come from are read from setup.py (``packages``
 ``package_dir``), so a package added there is drawn without editing this file. Every import
 counts, also one inside a function (the lazy imports that keep megatron and Triton optional);
 the graph draws those dashed. The rules of docs/architecture.md live here, beside the reader;
-tests/test_import_graph.py checks them on every CI run.
+tests/repo/test_import_graph.py checks them on every CI run.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ RULES = [
     no_import_cycles,
 ]
 
-# Edges that break a rule today, each with the reason; tests/test_import_graph.py fails on any
+# Edges that break a rule today, each with the reason; tests/repo/test_import_graph.py fails on any
 # other. Remove an entry when its edge goes.
 KNOWN_BREAKS: dict[tuple[str, str], str] = {}
 

@@ -13,7 +13,7 @@
 # Steps: install the wheel and this package; per layout three runs of $STEPS iterations (default
 # 30): cce through `python -m fused_lce.parallel.megatron_lm`, native fused and unfused as plain
 # Megatron-LM; then (unless SKIP_TESTS=1) the Megatron-LM parser tests against the wheel's real
-# megatron.training (tests/test_megatron_lm.py, tests/test_megatron_plugin.py). The table is
+# megatron.training (tests/megatron/test_megatron_lm.py, tests/megatron/test_megatron_plugin.py). The table is
 # printed before the tests.
 # Layouts: NGPU=1 TP1; NGPU=2 TP2; NGPU=4 TP2 (2 GPUs) and TP2 x PP2. The model is 2 layers,
 # hidden 2048, vocabulary $VOCAB (default 131072), sequence 2048, micro-batch 2, bf16, local
@@ -95,4 +95,4 @@ esac
 lce-megatron-lm-report "$results" | tee "$results/table.md"
 
 [[ -n ${SKIP_TESTS:-} ]] || step parser_tests "${PARSER_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_megatron_lm.py tests/test_megatron_plugin.py
+    tests/megatron/test_megatron_lm.py tests/megatron/test_megatron_plugin.py

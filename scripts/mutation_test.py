@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Each module's tests: the fast single-device and TP=2 checks against fp64 torch first, then the
 # module's own tests. Chosen for speed: a survivor here may still die in the full suite.
-_OP = tuple(f"tests/test_ignore_index_and_scale.py::test_{name}" for name in (
+_OP = tuple(f"tests/op/test_ignore_index_and_scale.py::test_{name}" for name in (
     "single_device_matches_torch", "every_term_and_the_lse_match_torch",
     "only_the_wanted_gradient"))
-_TP2 = ("tests/test_ignore_index_and_scale.py::test_vocab_parallel_matches_torch",)
-_FG = "tests/test_forward_grad.py::test_"
+_TP2 = ("tests/op/test_ignore_index_and_scale.py::test_vocab_parallel_matches_torch",)
+_FG = "tests/op/test_forward_grad.py::test_"
 _PLANS = tuple(_FG + name for name in (
     "default_plan_halves_the_tokens_within_the_byte_cap", "explicit_budgets",
     "without_fp32_weight_grad_a_tight_budget_keeps_the_forward_mode",
@@ -71,7 +71,7 @@ TARGETS: dict[str, Target] = {
     "fused_lce/terms.py": Target(
         ("target_nll", "token_loss", "grad_coefficients", "reduce_tokens",
          "loss_gradient_per_token"),
-        (*_OP, "tests/test_reference.py")),
+        (*_OP, "tests/op/test_reference.py")),
     "fused_lce/engine.py": Target(
         ("flat_rows", "global_statistics", "_shard_inputs", "LCEFunction.forward",
          "LCEFunction.backward", "_partial_dtype", "_token_walk_plan", "_lse_nll",
@@ -90,8 +90,8 @@ TARGETS: dict[str, Target] = {
          "vocab_backward", "ChunkedShard.statistics", "ChunkedShard.backward",
          "ChunkedGradientChunks.statistics", "ChunkedGradientChunks.gradients",
          "ChunkedGradientChunks.finish"),
-        (*_OP, "tests/test_chunked.py::test_all_tokens_ignored",
-         "tests/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
+        (*_OP, "tests/op/test_chunked.py::test_all_tokens_ignored",
+         "tests/op/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
     "fused_lce/triton_shard.py": Target(
         ("prepare_rows", "local_targets", "_ChunkGradients.finish",
          "TritonGradientChunks.statistics", "TritonGradientChunks.gradients",
@@ -107,8 +107,8 @@ TARGETS: dict[str, Target] = {
         _TP2),
     "parallel/vocab_parallel.py": Target(
         ("vocab_parallel_linear_cross_entropy", "_check_call"),
-        (*_TP2, "tests/test_parallel.py::test_bad_inputs_raise_on_every_rank",
-         "tests/test_parallel.py::test_matches_single_device[tp2]")),
+        (*_TP2, "tests/parallel/test_parallel.py::test_bad_inputs_raise_on_every_rank",
+         "tests/parallel/test_parallel.py::test_matches_single_device[tp2]")),
 }
 
 _COMPARE = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE, ast.LtE: ast.Lt,

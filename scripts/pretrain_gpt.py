@@ -23,7 +23,7 @@ Multi-node (run the same line on every node; c10d rendezvous assigns ranks):
         scripts/pretrain_gpt.py --config llama3_8b ...
 
 (``NNODES=2 NODE_RANK=0|1 MASTER_ADDR=... ./scripts/pretrain_gpt.sh ...`` runs that line;
-tests/test_two_nodes.py runs it as two nodes on 127.0.0.1.)
+tests/megatron/test_two_nodes.py runs it as two nodes on 127.0.0.1.)
 
 CPU (gloo; megatron-core's CUDA-only calls are redirected by lce_train.megatron_cpu):
 

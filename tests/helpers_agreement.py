@@ -1,6 +1,6 @@
 """Calls of the vocab-parallel layer on which the ranks disagree: every rank must raise.
 
-Used by test_rank_agreement.py (gloo, CPU) and test_parallel_gpu.py (NCCL). ``disagreement_suite``
+Used by test_rank_agreement.py (gloo, CPU) and test_parallel_nccl.py (NCCL). ``disagreement_suite``
 runs every case of ``disagreement_cases`` in turn on one process group; in each, rank 1's call
 differs from rank 0's (or is wrong on rank 1 only). Every rank must raise TypeError or ValueError
 matching the case's pattern, and where the layer promises one message for all (everything but an

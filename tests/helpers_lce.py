@@ -173,7 +173,7 @@ def upstream_weights(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> t
 # The upstream gradient of a scalar loss in every objective: not 1, so that a gradient left
 # unscaled by it (one computed in the forward for an upstream gradient of 1) fails the test. A
 # power of two: scaling a 16-bit gradient by it rounds nothing, so the bf16 bounds (twice
-# torch's error, whose run folds the factor in) still hold; tests/test_ignore_index_and_scale.py
+# torch's error, whose run folds the factor in) still hold; tests/op/test_ignore_index_and_scale.py
 # scales by 3 in fp32.
 SCALAR_UPSTREAM = 2.0
 

@@ -1,7 +1,7 @@
 """Running the vocab-parallel layer on real process groups and checking each rank against fp64.
 
 Used by test_parallel.py (gloo on the CPU, kernels under the Triton interpreter) and
-test_parallel_gpu.py (NCCL, one process per GPU, the real kernels).
+test_parallel_nccl.py (NCCL, one process per GPU, the real kernels).
 
 ``run_on_ranks(world, suite, ...)`` spawns one process per rank, initialises one process group
 (with a timeout, so a collective that some rank never joins fails instead of hanging), calls
