@@ -434,7 +434,7 @@ def test_exponentials_for_bf16_without_label_smoothing():
 
 
 def test_fp16_recomputes_in_the_backward_unless_asked_to_walk():
-    """fp16's gradients need the loss scale before their cast (tests/test_loss_scale.py)."""
+    """fp16's gradients need the loss scale before their cast (tests/op/test_loss_scale.py)."""
     def plan(**options):
         return plan_forward_gradients(LCEOptions(**options), 8192, 256000, 2304, 2, True,
                                       torch.float16)

@@ -1,4 +1,4 @@
-"""Stands in for Megatron-LM's pretrain_gpt.py in tests/test_megatron_lm.py (written for
+"""Stands in for Megatron-LM's pretrain_gpt.py in tests/megatron/test_megatron_lm.py (written for
 fused_lce's tests): the parses Megatron-LM runs, in its order, then the model config it builds
 from them. No model, no data, no GPU.
 
