@@ -10,8 +10,8 @@
 #
 # Stages:
 #   setup        install the carried wheels (.whl/: megatron-core, ...) and this package
-#   gpu-tests    every test file with GPU cases, a log each: one-GPU cases a file per GPU at a
-#                time, then the multi-GPU (NCCL) cases
+#   gpu-tests    every GPU case in under 10 minutes (scripts/gpu_tests.py): the NCCL cases on
+#                all GPUs beside the one-GPU cases, a file or a shard of one per GPU at a time
 #   tests        NCCL correctness at TP=2 and 4 (tests/parallel/test_parallel_nccl.py, TP=2 edge
 #                cases in tests/parallel/test_parallel_reliability.py) and the Megatron-LM
 #                plugin tests (megatron/training from the megatron-core wheel)
@@ -97,20 +97,8 @@ print(torch.__version__, triton.__version__, torch.cuda.device_count())"; } \
             tests/megatron/test_megatron_plugin.py
         ;;
     gpu-tests)
-        # Every test file with GPU cases (requires_cuda / requires_gpus), one log each: the
-        # one-GPU cases first, a file per GPU at a time, then the multi-GPU cases on all of them.
-        mapfile -t files < <(grep -rl --include='test_*.py' "requires_cuda\|requires_gpus" tests \
-            | sort)
-        for ((i = 0; i < ${#files[@]}; i += ngpu)); do
-            for ((g = 0; g < ngpu && i + g < ${#files[@]}; g++)); do
-                f=${files[i + g]}
-                CUDA_VISIBLE_DEVICES=$g run "one_gpu_$(basename "$f" .py)" 900 python3 -m pytest \
-                    -q -rfE -p no:cacheprovider "$f" -m "requires_cuda" &
-            done
-            wait
-        done
-        run multi_gpu 900 python3 -m pytest -q -rfE -p no:cacheprovider "${files[@]}" \
-            -m "requires_gpus"
+        # Every GPU case (requires_cuda / requires_gpus), all GPUs busy: scripts/gpu_tests.py.
+        run gpu_tests 600 python3 scripts/gpu_tests.py "$results/gpu_tests" --limit 560
         ;;
     bench)
         run bench_parallel 300 torchrun --nproc-per-node "$ngpu" -m lce_train.bench_parallel \

@@ -106,3 +106,21 @@ def test_plots_of_the_committed_runs(tmp_path, capsys):
     for png in ("vocab_parallel_h200x4_202611/time_and_memory.png",
                 "megatron_h200x4_202611/loss_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_tests_lists_every_gpu_case_once_and_shards_the_large_files():
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_tests.py"), "out"]
+    listed = subprocess.run(script + ["--list", "--shard", "45"], capture_output=True,
+                            text=True, cwd=ROOT, check=True).stdout.splitlines()
+    jobs = dict(line.split(": ", 1) for line in listed)
+    assert "tests/op/test_cce_at_scale.py" in jobs.pop("multi_gpu").split()
+    shards = [name for name in jobs if name.startswith("one_gpu_test_cce_at_scale_")]
+    assert len(shards) == 4  # 163 cases, at most 45 a job
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/op/test_cce_at_scale.py"], capture_output=True, text=True, cwd=ROOT).stdout
+    cases = sorted(line for line in collected.splitlines() if "::" in line)
+    assert sorted(i for name in shards for i in jobs[name].split()) == cases
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    missing = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, env=no_gpu)
+    assert missing.returncode == 2 and "no CUDA GPU here" in missing.stderr
