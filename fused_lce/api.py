@@ -24,7 +24,6 @@ from . import faults
 from .checks import (  # noqa: F401
     autocast_on,
     autocast_operands,
-    autograd_inside_an_op,
     check_flag,
     check_loss_mask,
     check_target_range,
@@ -32,6 +31,7 @@ from .checks import (  # noqa: F401
     resolve_impl,
     validate,
 )
+from .custom_ops import fake_gradients, register_loss_autograd, rerun_gradients
 from .engine import LCEFunction, ShardCall, ShardStrategy
 from .options import LCEOptions, refuse_renamed, refusing_renamed, without_backward_options
 
@@ -339,48 +339,19 @@ def _(input, weight, target, bias, loss_mask, words, *rest):
            "-> (Tensor, Tensor, Tensor)")
 def _compiled_loss_backward(grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs,
                             words, *numbers):
-    # (d_bias is an empty tensor without a bias: an op's outputs cannot be None.)
-    operands = (input, weight, bias if bias is not None else input.new_empty(0))
-    leaves = [x.detach().requires_grad_(need) for x, need in zip(operands, needs)]
-    with autograd_inside_an_op(), torch.enable_grad():
-        # The targets were checked by the forward.
-        outputs = _dispatch(leaves[0], leaves[1], target, leaves[2] if bias is not None else None,
-                            _compiled_options(words, *numbers), False, loss_mask)
-    given = [(out, grad) for out, grad in zip(outputs, (grad_loss, grad_lse)) if grad is not None]
-    wanted = [leaf for leaf, need in zip(leaves, needs) if need]
-    found = iter(torch.autograd.grad([o for o, _ in given], wanted, [g for _, g in given],
-                                     allow_unused=True) if given and wanted else ())
-    grads = [next(found) if need else None for need in needs]
-    return tuple(torch.zeros_like(x) if grad is None else grad
-                 for x, grad in zip(operands, grads))
+    def call(input, weight, bias):  # the targets were checked by the forward
+        return _dispatch(input, weight, target, bias, _compiled_options(words, *numbers), False,
+                         loss_mask)
+
+    return rerun_gradients(call, grad_loss, grad_lse, input, weight, bias, needs)
 
 
 @_compiled_loss_backward.register_fake
 def _(grad_loss, grad_lse, input, weight, target, bias, *rest):
-    return (torch.empty_like(input), torch.empty_like(weight),
-            input.new_empty(0) if bias is None else torch.empty_like(bias))
+    return fake_gradients(input, weight, bias)
 
 
-def _setup_compiled_loss(ctx, inputs, output):
-    input, weight, target, bias, loss_mask, words, *rest = inputs
-    ctx.save_for_backward(input, weight, target, bias, loss_mask)
-    ctx.words, ctx.numbers = words, rest[:-1]
-    # An unused lse sends None, not zeros: a gradient through it would make the op recompute.
-    ctx.set_materialize_grads(False)
-
-
-def _compiled_loss_grad(ctx, grad_loss, grad_lse):
-    input, weight, target, bias, loss_mask = ctx.saved_tensors
-    wants = ctx.needs_input_grad
-    needs = [wants[0], wants[1], bias is not None and wants[3]]
-    d_input, d_weight, d_bias = _compiled_loss_backward(
-        grad_loss, grad_lse, input, weight, target, bias, loss_mask, needs, ctx.words,
-        *ctx.numbers)
-    return (d_input if needs[0] else None, d_weight if needs[1] else None, None,
-            d_bias if needs[2] else None) + (None,) * (len(_NUMBERS) + 3)
-
-
-_compiled_loss.register_autograd(_compiled_loss_grad, setup_context=_setup_compiled_loss)
+register_loss_autograd(_compiled_loss, _compiled_loss_backward, trailing=1)  # check_targets
 
 
 def single_device_loss(

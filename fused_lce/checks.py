@@ -4,8 +4,6 @@ layer: everything here raises a TypeError/ValueError naming the argument before 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .options import LCEOptions
@@ -185,22 +183,3 @@ def _check_cce_supported(input: torch.Tensor) -> None:
             f"impl='cce' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
             f"import), got device {input.device}; use impl='chunked' on this device"
         )
-
-
-# A custom op's kernel runs with autograd's dispatch keys excluded, which would keep the views
-# and slices the op makes of its leaves out of the graph: the backward op puts them back while it
-# differentiates the eager op (autocast's stay excluded).
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
-    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"))
-
-
-@contextlib.contextmanager
-def autograd_inside_an_op():
-    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _AUTOGRAD_KEYS]
-    for key in _AUTOGRAD_KEYS:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
-        yield
-    finally:
-        for key, was in zip(_AUTOGRAD_KEYS, excluded):
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
