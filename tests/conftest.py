@@ -1,5 +1,6 @@
-"""Shared pytest setup: the Triton interpreter switch, GPU skips, the `seed` fixture and the
-`walks` spy on the gradient-in-forward mode.
+"""Shared pytest setup: the Triton interpreter switch, GPU skips, the `seed` fixture, the
+`walks` spy on the gradient-in-forward mode, and TorchDynamo switched off only while the
+Megatron tests run.
 
 The markers themselves are declared in pyproject.toml; this file only acts on them.
 """
@@ -109,3 +110,29 @@ def walks(monkeypatch):
 
     monkeypatch.setattr(engine, "_walk_token_chunks", spy)
     return plans
+
+
+@pytest.fixture(autouse=True, scope="module")
+def dynamo_off_only_in_megatron_tests(request):
+    """lce_train.megatron_cpu's CPU mode switches TorchDynamo off for the whole process
+    (megatron's fused kernels would compile for ~22 s a rank on the CPU). Folders collected
+    after tests/megatron (tests/op/test_compile.py) need it on, so each Megatron module gives
+    back the switch it found, and one that runs once CPU mode is on gets TorchDynamo off, as CPU
+    mode promises. (One conftest for the suite: ``import conftest`` in a test then finds this
+    one.)"""
+    if "megatron" not in request.path.parent.name:
+        yield
+        return
+    import torch._dynamo
+
+    from lce_train import megatron_cpu
+
+    saved = torch._dynamo.config.disable, os.environ.get("TORCHDYNAMO_DISABLE")
+    if megatron_cpu._ENABLED:
+        megatron_cpu._disable_dynamo()
+    yield
+    torch._dynamo.config.disable = saved[0]
+    if saved[1] is None:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = saved[1]
