@@ -31,7 +31,7 @@ from .checks import (  # noqa: F401
     resolve_impl,
     validate,
 )
-from .custom_ops import fake_gradients, register_loss_autograd, rerun_gradients
+from .custom_ops import fake_gradients, fake_loss, register_loss_autograd, rerun_gradients
 from .engine import LCEFunction, ShardCall, ShardStrategy
 from .options import LCEOptions, refuse_renamed, refusing_renamed, without_backward_options
 
@@ -326,10 +326,7 @@ def _compiled_loss(input, weight, target, bias, loss_mask, words, *rest):
 
 @_compiled_loss.register_fake
 def _(input, weight, target, bias, loss_mask, words, *rest):
-    dtype = torch.promote_types(input.dtype, torch.float32)
-    reduction = ast.literal_eval(f"({words},)")[0]
-    reduced = target.shape if reduction == "none" else ()
-    return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
+    return fake_loss(input, target, ast.literal_eval(f"({words},)")[0])  # reduction: the first
 
 
 @torch.library.custom_op(

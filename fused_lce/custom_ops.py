@@ -47,6 +47,14 @@ def rerun_gradients(call: Callable, grad_loss, grad_lse, input, weight, bias, ne
                  for x, grad in zip(operands, grads))
 
 
+def fake_loss(input, target, reduction: str):
+    """What a loss op returns, as shapes: (loss, lse), the loss of ``target``'s shape or a
+    scalar, both at least fp32."""
+    dtype = torch.promote_types(input.dtype, torch.float32)
+    reduced = target.shape if reduction == "none" else ()
+    return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
+
+
 def fake_gradients(input, weight, bias):
     """What ``rerun_gradients`` returns, as shapes."""
     return (torch.empty_like(input), torch.empty_like(weight),

@@ -66,7 +66,12 @@ from fused_lce.checks import (
     resolve_impl,
     validate,
 )
-from fused_lce.custom_ops import fake_gradients, register_loss_autograd, rerun_gradients
+from fused_lce.custom_ops import (
+    fake_gradients,
+    fake_loss,
+    register_loss_autograd,
+    rerun_gradients,
+)
 from fused_lce.engine import LCEFunction, ShardCall
 from fused_lce.options import LCEOptions, refusing_renamed, without_backward_options
 
@@ -369,10 +374,8 @@ def _compiled_loss(input, weight, target, bias, loss_mask, words, *numbers):
 
 @_compiled_loss.register_fake
 def _(input, weight, target, bias, loss_mask, words, *numbers):
-    dtype = torch.promote_types(input.dtype, torch.float32)
     reduction = dict(zip(_WORDS, ast.literal_eval(f"({words},)")))["reduction"]
-    reduced = target.shape if reduction == "none" else ()
-    return input.new_empty(reduced, dtype=dtype), input.new_empty(target.shape, dtype=dtype)
+    return fake_loss(input, target, reduction)
 
 
 @torch.library.custom_op(
