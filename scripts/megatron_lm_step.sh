@@ -7,8 +7,10 @@
 #
 # Layouts (default: tp4 tp2pp2): tp4 (TP4, 2 layers, hidden 2048, 4 micro-batches), tp2pp2
 # (TP2 x PP2, 4 layers, 8 micro-batches), tp4_8b (TP4, Llama-3-8B width: hidden 4096, ffn 14336,
-# GQA 8, V 128256, 8 layers, sequence 4096, micro-batch 1, 8 micro-batches). Others: V 131072,
-# sequence 2048, micro-batch 2, bf16, mock data, local transformer impl (no TE, no apex).
+# GQA 8, V 128256, 8 layers, sequence 4096, micro-batch 1, 8 micro-batches), tp2vpp2 (tp2pp2 on
+# Megatron's interleaved schedule, one layer a virtual stage, two model chunks a rank: its
+# transfers do not synchronise the device, so full-iteration graphs can capture it). Others:
+# V 131072, sequence 2048, micro-batch 2, bf16, mock data, local transformer impl (no TE, no apex).
 # ROUNDS (default 2) rounds of every run, STEPS (default 20) iterations each; the table
 # (lce-megatron-lm-report --step) takes the median over iterations past SKIP (10).
 # LOSSES (default "native cce") may add cce_eager: cce with --cce-no-cuda-graphs (the op's
@@ -59,6 +61,7 @@ layout_flags() {  # the model and parallel layout of a layout name
                   --num-layers 4 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
                   --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 16 \
                   --vocab-size 131072 ;;
+        tp2vpp2) echo "$(layout_flags tp2pp2)" --num-layers-per-virtual-pipeline-stage 1 ;;
         tp4_8b) echo --tensor-model-parallel-size 4 --num-layers 8 --hidden-size 4096 \
                   --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention \
                   --num-query-groups 8 --swiglu --normalization RMSNorm \
