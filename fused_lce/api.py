@@ -32,8 +32,9 @@ from .checks import (  # noqa: F401
     validate,
 )
 from .custom_ops import fake_gradients, fake_loss, register_loss_autograd, rerun_gradients
-from .engine import LCEFunction, ShardCall, ShardStrategy
+from .engine import LCEFunction
 from .options import LCEOptions, refuse_renamed, refusing_renamed, without_backward_options
+from .shard import ShardCall, ShardStrategy
 
 
 @refusing_renamed

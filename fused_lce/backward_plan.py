@@ -35,7 +35,7 @@ _FILTER_CODES = {"off": FILTER_OFF, "entry": FILTER_ENTRY, "mass": FILTER_MASS}
 def recomputing_backward(opts: LCEOptions) -> Literal["gemm", "tiles"]:
     """The backward that recomputes the logits: "tiles" where asked, else "gemm". The default
     ("auto") and "in_forward" compute the gradients in the forward and take this backward only
-    where that walk does not apply (``forward_grad.plan_forward_gradients`` gives no plan, or
+    where that walk does not apply (``token_walk.plan_forward_gradients`` gives no plan, or
     the upstream gradient is not the assumed one): "gemm" is not what a default call runs."""
     return "tiles" if opts.backward == "tiles" else "gemm"
 

@@ -1,9 +1,9 @@
 """Pure-PyTorch chunked linear cross-entropy: the strategy that runs on any device, CPU included.
 
-``ChunkedShard`` is an engine.LCEFunction shard strategy (the engine's ``ShardStrategy``), on one
-device and in the vocab-parallel layer alike; an unfused classifier head holds the (N, V) logits
-and their gradient, here they never exist at once. ``LCEOptions.chunk_by`` picks one of two ways
-to cut them:
+``ChunkedShard`` is an engine.LCEFunction shard strategy (fused_lce/shard.py's
+``ShardStrategy``), on one device and in the vocab-parallel layer alike; an unfused classifier
+head holds the (N, V) logits and their gradient, here they never exist at once.
+``LCEOptions.chunk_by`` picks one of two ways to cut them:
 
 ``"vocab"`` (default): online softmax over vocabulary chunks. The forward walks ``vocab_chunk``
 columns at a time, computing each chunk's logits into one reused buffer and folding it into a
@@ -13,7 +13,7 @@ the same chunks, recomputes the logits, turns them into the logit gradient in pl
 multiplies it out: ``d_hidden`` accumulates over chunks, each chunk owns its rows of
 ``d_weight``. Memory: O(N * vocab_chunk).
 
-``"tokens"``: gradients in the forward (the engine's token walk, fused_lce/forward_grad.py, with
+``"tokens"``: gradients in the forward (the token walk, fused_lce/token_walk.py, with
 ``ChunkedGradientChunks``): ``token_chunk`` tokens at a time with full-vocabulary logits, the
 input gradients computed at once for the assumed upstream gradient; the backward scales them, or
 recomputes the vocabulary way where the upstream gradient is not the assumed one (a gradient
@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import torch
 
-from .engine import (
+from .fp32_products import accumulate_mm, mm_into, scale_in_fp32_
+from .options import LCEOptions
+from .shard import (
+    ForwardGradPlan,
     ShardGradRequest,
     ShardInputs,
     ShardStatistics,
     compute_dtype,
 )
-from .forward_grad import ForwardGradPlan
-from .fp32_products import accumulate_mm, mm_into, scale_in_fp32_
-from .options import LCEOptions
 from .softmax_merge import merge_partials, softmax_shift
 from .terms import GradCoefficients
 
@@ -318,7 +318,7 @@ class ChunkedShard:
 
 
 class ChunkedGradientChunks:
-    """The token walk of ``chunk_by="tokens"`` on one shard (the engine's ``GradientChunks``):
+    """The token walk of ``chunk_by="tokens"`` on one shard (a ``GradientChunks``):
     a chunk's soft-capped logits in the compute dtype, its statistics, then G in their place."""
 
     def __init__(self, inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):

@@ -2,38 +2,35 @@
 (TP=1) or with its peers (TP=N).
 
 A call holds a shard ``[vocab_start, vocab_start + local_classes)`` of the classifier; on one
-device the shard is the whole weight. The caller passes a ``ShardStrategy``: the Triton kernels
-(fused_lce/triton_shard.py's ``TritonShard``) or chunked PyTorch (fused_lce/chunked.py's
-``ChunkedShard``); a rank that holds only vocabulary padding uses ``EmptyShard``. Either the
-forward asks the strategy for the shard's per-row statistics and the backward for the shard's
-gradients, or, where the strategy plans it, the forward walks token chunks and computes the
-gradients at once (fused_lce/forward_grad.py; the backward then scales them or, where the
-upstream gradient is not the assumed one, recomputes). Statistics are combined across ranks
-through a ``ShardReducer`` and the loss is formed with ``terms``. What differs between TP=1 and
-TP=N is only the reducer: ``LOCAL`` here is the identity, parallel/comm.py's ``GroupReducer``
-talks to the other ranks. Nothing in this package imports torch.distributed, and this module
-imports no strategy: they are passed in.
+device the shard is the whole weight. The caller passes a ``ShardStrategy`` (the contract is
+fused_lce/shard.py's): the Triton kernels (fused_lce/triton_shard.py's ``TritonShard``) or
+chunked PyTorch (fused_lce/chunked.py's ``ChunkedShard``); a rank that holds only vocabulary
+padding uses ``EmptyShard``. Either the forward asks the strategy for the shard's per-row
+statistics and the backward for the shard's gradients, or, where the strategy plans it, the
+forward walks token chunks and computes the gradients at once (fused_lce/token_walk.py; the
+backward then scales them or, where the upstream gradient is not the assumed one
+(fused_lce/upstream.py), recomputes). Statistics are combined across ranks through a
+``ShardReducer`` and the loss is formed with ``terms``. What differs between TP=1 and TP=N is
+only the reducer: ``LOCAL`` is the identity, parallel/comm.py's ``GroupReducer`` talks to the
+other ranks. Nothing in this package imports torch.distributed, and this module imports no
+strategy: they are passed in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
-from . import faults, graphs
-from .forward_grad import (
-    ForwardGradPlan,
-    assumed_token_grad,
-    mismatch_found,
-    poisoned_scale,
-    upstream_scale,
-    warn_recompute,
+from . import faults, graphs, token_walk
+from .shard import (
+    EmptyShard,
+    ShardCall,
+    ShardGradRequest,
+    ShardInputs,
+    compute_dtype,
+    global_statistics,
 )
-from .fp32_products import scale_in_fp32_
-from .options import LCEOptions
-from .softmax_merge import softmax_shift
 from .stored_gradients import (
     main_grad_protocol,
     pad_rows,
@@ -43,265 +40,20 @@ from .stored_gradients import (
     with_main_grad,
 )
 from .terms import (
-    GradCoefficients,
     grad_coefficients,
     loss_gradient_per_token,
-    lse_and_nll,
     reduce_tokens,
     refuse_double_backward,
     refuse_function_transforms,
     token_loss,
 )
-
-
-class ShardReducer(Protocol):
-    """What the loss needs from the other ranks holding the rest of the vocabulary."""
-
-    world_size: int
-
-    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def gather_input(self, input: torch.Tensor) -> torch.Tensor:
-        """Every token's hidden state (N, D) from this rank's ``input`` (with SP, a shard)."""
-        ...
-
-    def gathered_rows(self, input: torch.Tensor) -> int:
-        """N, the rows ``gather_input`` gives, without gathering."""
-        ...
-
-    def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of the partial input gradients, this rank's rows of it."""
-        ...
-
-
-class LocalReducer:
-    """One device: every reduction is the identity."""
-
-    world_size = 1
-
-    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def gather_input(self, input: torch.Tensor) -> torch.Tensor:
-        return flat_rows(input)
-
-    def gathered_rows(self, input: torch.Tensor) -> int:
-        return flat_rows(input).shape[0]
-
-    def reduce_input_grad(self, d_hidden: torch.Tensor) -> torch.Tensor:
-        return d_hidden
-
-
-LOCAL = LocalReducer()
-
-
-def flat_rows(input: torch.Tensor) -> torch.Tensor:
-    """(..., D) as (N, D); not reshape(-1, D): with D = 0 the -1 is ambiguous."""
-    n_rows = 1
-    for size in input.shape[:-1]:
-        n_rows *= size
-    return input.reshape(n_rows, input.shape[-1])
-
-
-@dataclass(frozen=True)
-class ShardCall:
-    """What is fixed for one call: the options, the strategy, the shard's place and how to reach
-    the others."""
-
-    opts: LCEOptions
-    strategy: ShardStrategy  # the same on every rank (a rank without classes: EmptyShard)
-    vocab_start: int
-    local_classes: int  # real classes in this shard (rows past it are vocabulary padding)
-    num_classes: int  # classes over every shard
-    reducer: ShardReducer = LOCAL
-    weight_grad_accumulator: torch.Tensor | None = None
-    loss_mask: torch.Tensor | None = None  # "none": what the caller multiplies the losses by
-    # Check the targets against [0, num_classes) on the device (fused_lce/faults.py).
-    check_targets: bool = False
-    caller: str = "linear_cross_entropy(impl='cce')"  # named by the double-backward refusal
-    # Whether autograd records the call, read before apply: inside forward grad mode is off,
-    # and needs_input_grad does not see torch.no_grad().
-    grad_enabled: bool = True
-
-
-@dataclass
-class ShardInputs:
-    """One shard's view of the call, as every shard strategy takes it."""
-
-    hidden: torch.Tensor  # (N, D), every token
-    weight: torch.Tensor  # (V_local, D), real classes only
-    bias: torch.Tensor | None  # (V_local,)
-    target: torch.Tensor  # (N,) global class ids
-    opts: LCEOptions
-    vocab_start: int
-    num_classes: int
-
-
-@dataclass
-class ShardGradRequest:
-    """What the backward asks of a shard: gradients against the global lse."""
-
-    lse: torch.Tensor  # (N,) fp32, global
-    coefs: GradCoefficients
-    needs: tuple[bool, bool, bool]  # (hidden, weight, bias)
-    d_hidden_dtype: torch.dtype  # fp32 when partials are summed across ranks
-    d_weight_accumulator: torch.Tensor | None  # fp32, the shard's rows; gradient added into it
-
-
-class ShardStatistics(NamedTuple):
-    """Per-row statistics of one shard, (N,) fp32; ignored rows hold max=-inf, sum_exp=0."""
-
-    row_max: torch.Tensor
-    sum_exp: torch.Tensor  # sum of exp(logit - row_max)
-    row_sum: torch.Tensor | None  # sum of logits (label smoothing)
-    target_logit: torch.Tensor  # 0 where another shard owns the target
-
-
-class GradientChunks(Protocol):
-    """One call's walk over token chunks with gradients in the forward: (with
-    ``ForwardGradPlan.exponentials``) ``target_logits`` once, then per chunk ``compute_logits``,
-    ``statistics`` and (with the global lse) ``gradients``; ``finish`` once at the end. It keeps
-    the chunk's logits between the calls."""
-
-    def target_logits(self) -> torch.Tensor:
-        """Every row's target logit, 0 where another shard owns the target (summed across shards
-        into ``compute_logits``' offsets)."""
-        ...
-
-    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None: ...
-
-    def statistics(self, rows: slice) -> ShardStatistics: ...
-
-    def gradients(self, rows: slice, lse: torch.Tensor, coefs: GradCoefficients) -> None: ...
-
-    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(d_hidden, d_weight, d_bias) for the assumed upstream gradient, None where not
-        needed."""
-        ...
-
-
-class ShardStrategy(Protocol):
-    """How one shard's statistics and gradients are computed: every strategy implements all of
-    it, and the engine calls nothing else."""
-
-    def plan_forward_gradients(self, opts: LCEOptions, n_rows: int, weight_rows: int,
-                               d_model: int, elem_bytes: int, wants_weight_grad: bool,
-                               dtype: torch.dtype | None = None) -> ForwardGradPlan | None:
-        """The token walk's plan, or None for statistics now and gradients in the backward."""
-        ...
-
-    def statistics(self, inputs: ShardInputs) -> tuple[Any, ShardStatistics]:
-        """(state for ``backward``, the shard's statistics)."""
-        ...
-
-    def backward(self, state: Any, inputs: ShardInputs, request: ShardGradRequest):
-        """(d_hidden partial, d_weight, d_bias) of the shard against the global lse."""
-        ...
-
-    def recompute_state(self, inputs: ShardInputs) -> Any:
-        """What ``backward`` needs where the forward walked instead of taking statistics."""
-        ...
-
-    def gradient_chunks(self, inputs: ShardInputs, plan: ForwardGradPlan, needs,
-                        d_hidden_dtype: torch.dtype) -> GradientChunks: ...
-
-    def scale_(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """``tensor *= scale`` in place, ``scale`` a one-element device tensor (never read by the
-        host)."""
-        ...
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16/32-bit inputs, fp64 for fp64: the dtype of every per-token vector."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _empty_statistics(inputs: ShardInputs, n_rows: int) -> ShardStatistics:
-    """What ``n_rows`` rows see of a shard without classes: max -inf, nothing to add."""
-    zeros = torch.zeros((n_rows,), dtype=torch.float32, device=inputs.hidden.device)
-    row_sum = zeros if inputs.opts.label_smoothing > 0 else None
-    return ShardStatistics(torch.full_like(zeros, float("-inf")), zeros, row_sum, zeros)
-
-
-class EmptyShard:
-    """A shard with no real classes (only vocabulary padding): it adds nothing, but takes part
-    in every collective like the others, following the plan of the group's strategy."""
-
-    @staticmethod
-    def plan_forward_gradients(opts, n_rows, weight_rows, d_model, elem_bytes, wants_weight_grad,
-                               dtype=None):
-        return None  # never asked: the engine plans with the group's strategy (ShardCall)
-
-    scale_ = staticmethod(scale_in_fp32_)
-
-    @staticmethod
-    def statistics(inputs: ShardInputs):
-        return None, _empty_statistics(inputs, inputs.hidden.shape[0])
-
-    @staticmethod
-    def backward(state, inputs: ShardInputs, request: ShardGradRequest):
-        hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
-        d_hidden = torch.zeros(hidden.shape, dtype=request.d_hidden_dtype, device=hidden.device)
-        d_weight = (None if request.d_weight_accumulator is not None
-                    else weight.new_zeros(weight.shape))
-        d_bias = None if bias is None else bias.new_zeros(bias.shape)
-        return d_hidden, d_weight, d_bias
-
-    @staticmethod
-    def recompute_state(inputs: ShardInputs):
-        return None
-
-    @staticmethod
-    def gradient_chunks(inputs: ShardInputs, plan: ForwardGradPlan, needs, d_hidden_dtype):
-        return EmptyGradientChunks(inputs, needs, d_hidden_dtype)
-
-
-class EmptyGradientChunks:
-    """The empty shard in the gradient-in-forward walk: no statistics, zero gradients."""
-
-    def __init__(self, inputs: ShardInputs, needs, d_hidden_dtype):
-        self.inputs, self.needs, self.d_hidden_dtype = inputs, needs, d_hidden_dtype
-
-    def target_logits(self) -> torch.Tensor:
-        hidden = self.inputs.hidden
-        return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-
-    def compute_logits(self, rows: slice, offsets: torch.Tensor | None = None) -> None:
-        pass
-
-    def statistics(self, rows: slice) -> ShardStatistics:
-        return _empty_statistics(self.inputs, self._rows(rows))
-
-    def _rows(self, rows: slice) -> int:
-        return len(range(*rows.indices(self.inputs.hidden.shape[0])))
-
-    def gradients(self, rows: slice, lse, coefs) -> None:
-        pass
-
-    def finish(self):
-        request = ShardGradRequest(None, None, self.needs, self.d_hidden_dtype, None)
-        d_hidden, d_weight, d_bias = EmptyShard.backward(None, self.inputs, request)
-        return (d_hidden if self.needs[0] else None, d_weight if self.needs[1] else None,
-                d_bias if self.needs[2] else None)
-
-
-def global_statistics(stats: ShardStatistics, reducer) -> ShardStatistics:
-    """The statistics over every shard: one MAX for the shift, one SUM for what adds up."""
-    if reducer.world_size == 1:
-        return stats
-    # softmax_merge.merge_partials across ranks: the MAX collective, then softmax_shift's rule.
-    shift = softmax_shift(reducer.all_reduce_max_(stats.row_max.clone()))
-    packed = [stats.sum_exp * torch.exp(stats.row_max - shift), stats.target_logit]
-    if stats.row_sum is not None:
-        packed.append(stats.row_sum)
-    packed = reducer.all_reduce_sum_(torch.stack(packed).float())
-    row_sum = packed[2] if stats.row_sum is not None else None
-    return ShardStatistics(shift, packed[0], row_sum, packed[1])
+from .upstream import (
+    assumed_token_grad,
+    mismatch_found,
+    poisoned_scale,
+    upstream_scale,
+    warn_recompute,
+)
 
 
 def _shard_inputs(hidden, weight, bias, target, call: ShardCall) -> ShardInputs:
@@ -328,7 +80,8 @@ class LCEFunction(torch.autograd.Function):
         flat_target = target.reshape(-1)
         strategy = call.strategy if call.local_classes > 0 else EmptyShard
         needs = tuple(call.grad_enabled and need for need in ctx.needs_input_grad[:3])
-        plan = _token_walk_plan(call, call.reducer.gathered_rows(input), weight, input, needs)
+        n_rows = call.reducer.gathered_rows(input)
+        plan = token_walk.token_walk_plan(call, n_rows, weight, input, needs)
 
         def forward_values(input, target, loss_mask):
             return _forward_values(input, weight, bias, target, loss_mask, call, strategy, plan,
@@ -485,11 +238,11 @@ def _forward_values(input, weight, bias, target, loss_mask, call: ShardCall, str
     state = assumed = grads = None
     if plan is None:
         state, stats = strategy.statistics(inputs)
-        lse, nll, row_sum = _lse_nll(global_statistics(stats, call.reducer))
+        lse, nll, row_sum = token_walk.lse_nll(global_statistics(stats, call.reducer))
     elif not any(needs):
         # Evaluation walks the chunks training walks, with the same kernels, so a batch's
         # loss is the same number in both; it only skips the gradients.
-        (lse, nll, row_sum), _ = _walk_token_chunks(
+        (lse, nll, row_sum), _ = token_walk.walk_token_chunks(
             strategy, inputs, call, plan, needs, input.dtype, assumed=None
         )
     else:
@@ -498,7 +251,7 @@ def _forward_values(input, weight, bias, target, loss_mask, call: ShardCall, str
         # assumed, and recomputed exactly where that no longer holds.
         assumed = assumed_token_grad(valid, n_valid, opts.reduction, loss_mask,
                                      compute_dtype(input.dtype))
-        (lse, nll, row_sum), grads = _walk_token_chunks(
+        (lse, nll, row_sum), grads = token_walk.walk_token_chunks(
             strategy, inputs, call, plan, needs, _partial_dtype(call, input), assumed
         )
     loss = token_loss(nll, lse, row_sum, call.num_classes, opts)
@@ -531,61 +284,6 @@ def _partial_dtype(call: ShardCall, input: torch.Tensor) -> torch.dtype:
     """Partial input gradients are summed across ranks in fp32 (fp64 for fp64 inputs); alone, a
     rank's is the answer."""
     return compute_dtype(input.dtype) if call.reducer.world_size > 1 else input.dtype
-
-
-def _token_walk_plan(call: ShardCall, n_rows: int, weight, input, needs
-                     ) -> ForwardGradPlan | None:
-    """The gradient-in-forward plan, where the strategy has one: training walks it computing
-    gradients, evaluation (no gradient wanted) computing only the statistics. Decided by the
-    group's strategy from what every rank shares (the padded shard's rows), so every rank walks
-    the same chunks, a rank of vocabulary padding too."""
-    opts = call.opts
-    if opts.reduction == "none" and call.loss_mask is None and opts.upstream_mismatch == "auto":
-        return None  # no mask to assume: the recomputing backward is exact for any upstream
-    # Evaluation plans as training with every gradient wanted, so it walks the same chunks.
-    wants_weight_grad = needs[1] or not any(needs)
-    return call.strategy.plan_forward_gradients(
-        call.opts, n_rows, weight.shape[0], input.shape[-1], input.element_size(),
-        wants_weight_grad, input.dtype,
-    )
-
-
-def _lse_nll(stats: ShardStatistics, out: tuple | None = None):
-    """(lse, nll, row_sum) per token from the global statistics, into ``out``'s three vectors
-    where given (row_sum's may be None)."""
-    lse, nll = lse_and_nll(stats.row_max, stats.sum_exp, stats.target_logit,
-                           None if out is None else out[:2])
-    row_sum = stats.row_sum
-    if out is not None and row_sum is not None:
-        row_sum = out[2].copy_(row_sum)
-    return lse, nll, row_sum
-
-
-def _walk_token_chunks(strategy, inputs: ShardInputs, call: ShardCall, plan, needs,
-                       d_hidden_dtype, assumed):
-    """((lse, nll, row_sum), (d_hidden, d_weight, d_bias) for the per-token upstream gradient
-    ``assumed``), token chunk by token chunk: fused_lce/forward_grad.py. With ``assumed`` None
-    (evaluation) only the statistics. Per token it keeps only lse, nll and the row sum: under a
-    tight budget the chunk buffer and these are its memory."""
-    n_rows = inputs.hidden.shape[0]
-    opts = call.opts
-    chunks = strategy.gradient_chunks(inputs, plan, needs, d_hidden_dtype)
-    # Every chunk's offsets in one launch and one collective, ahead of the walk.
-    offsets = (call.reducer.all_reduce_sum_(chunks.target_logits()) if plan.exponentials
-               else None)
-    kept = None
-    for start in range(0, n_rows, plan.chunk_rows):
-        rows = slice(start, min(n_rows, start + plan.chunk_rows))
-        chunks.compute_logits(rows, None if offsets is None else offsets[rows])
-        stats = global_statistics(chunks.statistics(rows), call.reducer)
-        if kept is None:
-            kept = tuple(None if x is None else x.new_empty(n_rows)
-                         for x in (stats.sum_exp, stats.sum_exp, stats.row_sum))
-        lse, nll, row_sum = _lse_nll(stats, tuple(None if x is None else x[rows] for x in kept))
-        if assumed is not None:
-            coefs = grad_coefficients(assumed[rows], lse, nll, None, call.num_classes, opts)
-            chunks.gradients(rows, lse, coefs)
-    return kept, chunks.finish()
 
 
 def _check_targets(target: torch.Tensor, call: ShardCall) -> torch.Tensor:

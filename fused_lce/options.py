@@ -123,7 +123,7 @@ class LCEOptions:
     backward: Backward = "auto"
     """The cce backward. "in_forward" computes the gradients in the forward, a token chunk at a
     time, from 16-bit logits that cuBLAS writes and G overwrites: three GEMMs, the backward
-    only scales (fused_lce/forward_grad.py; it recomputes exactly where the upstream gradient
+    only scales (fused_lce/token_walk.py; it recomputes exactly where the upstream gradient
     is not the one it assumed). "gemm" recomputes logit-gradient chunks in the backward that
     cuBLAS GEMMs consume (four GEMMs, buffers within ``scratch_mb``, no atomics); "tiles" is
     the fused tile kernel of the paper (atomics, gradient filtering, vocab sorting). "auto"

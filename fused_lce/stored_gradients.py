@@ -1,13 +1,12 @@
 """The backward of the gradient-in-forward walk: the stored gradients scaled by the upstream
 gradient, on the device.
 
-The forward (fused_lce/forward_grad.py, the engine's token walk) computed the gradients for an
-assumed upstream gradient; the backward checks the actual one against it
-(``forward_grad.upstream_scale``), combines the ranks' verdicts, and scales the stored gradients
-by its scalar, or by NaN where the check or the target check failed. Nothing here reads the
-device: a replayed forward's backward captures this work as a CUDA graph (fused_lce/graphs.py).
-Where the verdict must be read on the host (``upstream_mismatch="recompute"``) the engine reads
-it and recomputes instead.
+The forward (fused_lce/token_walk.py) computed the gradients for an assumed upstream gradient;
+the backward checks the actual one against it (fused_lce/upstream.py's ``upstream_scale``),
+combines the ranks' verdicts, and scales the stored gradients by its scalar, or by NaN where the
+check or the target check failed. Nothing here reads the device: a replayed forward's backward
+captures this work as a CUDA graph (fused_lce/graphs.py). Where the verdict must be read on the
+host (``upstream_mismatch="recompute"``) the engine reads it and recomputes instead.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from . import faults
-from .forward_grad import poisoned_scale, upstream_scale
 from .options import LCEOptions
+from .upstream import poisoned_scale, upstream_scale
 
 
 def verdict_stays_on_device(opts: LCEOptions) -> bool:

@@ -116,7 +116,7 @@ def reduce_scatter_first_dim(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 class GroupReducer:
-    """fused_lce.engine's ShardReducer over ``group``: the cross-rank parts of the loss."""
+    """fused_lce.shard's ShardReducer over ``group``: the cross-rank parts of the loss."""
 
     def __init__(self, group, sequence_parallel: bool) -> None:
         self.group = group

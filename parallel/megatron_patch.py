@@ -165,7 +165,7 @@ def _deferred_output(gpt, options: dict, loss_mask: torch.Tensor | None = None,
                      labels: torch.Tensor | None = None):
     """For one call: the output layer defers its matmul and the loss consumes the deferral.
     ``loss_mask`` (the forward's, [b, s]) tells the op what the loss function will weigh each
-    token's loss by, so it can compute the gradients in its forward (fused_lce.forward_grad).
+    token's loss by, so it can compute the gradients in its forward (fused_lce.token_walk).
     It is passed only for the loss of the forward's own ``labels``: multi-token prediction's
     losses, of rolled labels, weigh tokens by a rolled mask, so they go without one and take the
     recomputing backward (exact for any weights, no host sync)."""

@@ -11,7 +11,7 @@ logits, all of which combine across shards:
     nll = (M - z_y) + log S                          (fused_lce.terms: exact where y holds M)
 
 Each shard's (m_r, s_r) come from the same kernels as the single-device op, so nothing of size
-N x V_r is ever stored. By default (fused_lce/forward_grad.py) the forward walks token chunks of
+N x V_r is ever stored. By default (fused_lce/token_walk.py) the forward walks token chunks of
 R rows: each chunk's statistics are combined as above, then its logits become the logit gradient
 against the global lse, and the shard's weight gradient and partial input gradient are summed
 there; the backward scales them by the upstream gradient, or, where that is not the one the
@@ -72,8 +72,9 @@ from fused_lce.custom_ops import (
     register_loss_autograd,
     rerun_gradients,
 )
-from fused_lce.engine import LCEFunction, ShardCall
+from fused_lce.engine import LCEFunction
 from fused_lce.options import LCEOptions, refusing_renamed, without_backward_options
+from fused_lce.shard import ShardCall
 
 from . import agreement, comm
 
@@ -141,7 +142,7 @@ def vocab_parallel_linear_cross_entropy(
             has Megatron's ``grad_added_to_main_grad`` attribute, an unset dummy and the flag).
         loss_mask: ("none" only) what the caller multiplies the per-token losses by, shape of
             ``target`` (Megatron's loss mask): the gradients are then computed in the forward
-            (fused_lce/forward_grad.py). It does not mask the returned losses.
+            (fused_lce/token_walk.py). It does not mask the returned losses.
         agree_every_call: True checks every call against the other ranks' (one host exchange,
             a barrier of the ranks' hosts) before any collective, so a rank's bad or different
             call raises on every rank. False, for callers whose ranks make the same call by

@@ -72,19 +72,28 @@ TARGETS: dict[str, Target] = {
         ("target_nll", "token_loss", "grad_coefficients", "reduce_tokens",
          "loss_gradient_per_token"),
         (*_OP, "tests/op/test_reference.py")),
+    "fused_lce/shard.py": Target(
+        ("flat_rows", "global_statistics"),
+        (*_OP, *_TP2)),
     "fused_lce/engine.py": Target(
-        ("flat_rows", "global_statistics", "_shard_inputs", "LCEFunction.forward",
-         "LCEFunction.backward", "_partial_dtype", "_token_walk_plan", "_lse_nll",
-         "_walk_token_chunks"),
+        ("_shard_inputs", "LCEFunction.forward", "LCEFunction.backward", "_partial_dtype"),
         (*_OP, *_TP2)),
     "fused_lce/api.py": Target(("single_device_loss",), (*_OP,)),
     "fused_lce/stored_gradients.py": Target(
         ("scale_stored_gradients", "scaled_gradients", "pad_rows"),
         (*_OP, *_TP2)),
-    "fused_lce/forward_grad.py": Target(
-        ("plan_forward_gradients", "exponentials_apply", "_tile_rows", "_chunks",
-         "assumed_token_grad", "upstream_scale"),
-        (*_OP, *_PLANS, _FG + "exponentials_for_bf16_without_label_smoothing")),
+    "fused_lce/token_walk.py": Target(
+        ("token_walk_plan", "plan_forward_gradients", "exponentials_apply", "_tile_rows",
+         "_chunks", "walk_token_chunks", "lse_nll", "_ChunkGradients.finish",
+         "TritonGradientChunks.statistics", "TritonGradientChunks.gradients",
+         "ExpGradientChunks.target_logits", "ExpGradientChunks.compute_logits",
+         "ExpGradientChunks.gradients", "ExpGradientChunks._idle", "local_targets"),
+        (*_OP, *_PLANS, *_TP2, _FG + "exponentials_for_bf16_without_label_smoothing",
+         _FG + "rows_out_of_the_exponentials_range_are_recomputed",
+         _FG + "one_leaf_alone_gets_its_gradient_from_the_exponentials")),
+    "fused_lce/upstream.py": Target(
+        ("assumed_token_grad", "upstream_scale"),
+        (*_OP, *_PLANS)),
     "fused_lce/chunked.py": Target(
         ("_local_target", "_logit_grad_", "_fold_into_lse_", "vocab_statistics",
          "vocab_backward", "ChunkedShard.statistics", "ChunkedShard.backward",
@@ -93,13 +102,8 @@ TARGETS: dict[str, Target] = {
         (*_OP, "tests/op/test_chunked.py::test_all_tokens_ignored",
          "tests/op/test_chunked.py::test_num_classes_padding_rows_get_zero_grad", *_TP2)),
     "fused_lce/triton_shard.py": Target(
-        ("prepare_rows", "local_targets", "_ChunkGradients.finish",
-         "TritonGradientChunks.statistics", "TritonGradientChunks.gradients",
-         "ExpGradientChunks.target_logits", "ExpGradientChunks.compute_logits",
-         "ExpGradientChunks.gradients", "ExpGradientChunks._idle"),
-        (*_OP, *_PLANS[-2:], *_TP2,
-         _FG + "rows_out_of_the_exponentials_range_are_recomputed",
-         _FG + "one_leaf_alone_gets_its_gradient_from_the_exponentials")),
+        ("prepare_rows",),
+        (*_OP, *_PLANS[-2:], *_TP2)),
     "parallel/comm.py": Target(
         ("all_reduce_max_", "all_reduce_sum_", "all_gather_first_dim",
          "reduce_scatter_first_dim", "GroupReducer.gather_input",

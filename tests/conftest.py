@@ -93,22 +93,22 @@ def seed():
 
 @pytest.fixture
 def walks(monkeypatch):
-    """The plans of the gradient-in-forward walks (fused_lce/forward_grad.py) run during a test,
+    """The plans of the gradient-in-forward walks (fused_lce/token_walk.py) run during a test,
     in call order: whether, and how, the mode ran (an evaluation's statistics-only walk is not
     one)."""
-    from fused_lce import engine, graphs
+    from fused_lce import graphs, token_walk
 
     # A walk captured by an earlier test replays without entering Python: start with none.
     graphs.clear()
     plans = []
-    original = engine._walk_token_chunks
+    original = token_walk.walk_token_chunks
 
     def spy(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed):
         if assumed is not None:
             plans.append(plan)
         return original(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed)
 
-    monkeypatch.setattr(engine, "_walk_token_chunks", spy)
+    monkeypatch.setattr(token_walk, "walk_token_chunks", spy)
     return plans
 
 

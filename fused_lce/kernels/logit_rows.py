@@ -1,6 +1,6 @@
 """Row statistics of a stored logits chunk, and the logit gradient G written over it.
 
-The gradient-in-forward mode (fused_lce/forward_grad.py) lets cuBLAS write one token chunk's raw
+The gradient-in-forward mode (fused_lce/token_walk.py) lets cuBLAS write one token chunk's raw
 logits E @ C.T (rows x V_local, 16 bits) into a buffer, then runs this pair over it:
 
     row_statistics   max, sum of exp(z - max), the target logit (and the row sum), per row,

@@ -103,15 +103,15 @@ def two_pass_cce():
     """Ours as it was until 2026-11-27: the walk stores the chunk's logits (cuBLAS), and two passes
     turn them into statistics and G in place (kernels/logit_rows.py); for before/after figures
     measured side by side. The forward's plan picks the walk, so only the call is wrapped."""
-    from fused_lce import forward_grad
+    from fused_lce import token_walk
 
     def loss(h, w, t):
-        chosen = forward_grad.exponentials_apply
-        forward_grad.exponentials_apply = lambda opts, dtype: False
+        chosen = token_walk.exponentials_apply
+        token_walk.exponentials_apply = lambda opts, dtype: False
         try:
             return linear_cross_entropy(h, w, t, impl="cce")
         finally:
-            forward_grad.exponentials_apply = chosen
+            token_walk.exponentials_apply = chosen
 
     return loss
 

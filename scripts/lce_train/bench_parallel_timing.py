@@ -111,8 +111,8 @@ def measure_collectives(n_tokens, d, v_local, dtype, group, sp, args, device) ->
     """The collectives of ``ours`` (the default walk) alone, with its sizes and dtypes (the module
     docstring of parallel/vocab_parallel.py): what overlapping them with compute could save at
     most. The walk's chunks are the op's own plan for this shard."""
-    from fused_lce.forward_grad import plan_forward_gradients
     from fused_lce.parallel import comm
+    from fused_lce.token_walk import plan_forward_gradients
 
     tp = dist.get_world_size(group)
     plan = plan_forward_gradients(LCEOptions(), n_tokens, v_local, d, dtype.itemsize, True, dtype)

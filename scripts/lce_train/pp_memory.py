@@ -60,7 +60,7 @@ only one is at the loss at a time):
         in that copy in place, keeping it for the backward: NATIVE_BYTES_PER_LOGIT = 6 bytes per
         logit, as measured on H200 with megatron-core 0.19.2 (6.1). With SP the sequence is
         gathered first, so the whole sequence's logits are there.
-    cce: what the op's own planner (fused_lce.forward_grad.plan_forward_gradients) holds. By
+    cce: what the op's own planner (fused_lce.token_walk.plan_forward_gradients) holds. By
         default the gradients are computed in the forward: one chunk of 16-bit logits (half the
         micro-batch's tokens, at most 2 GiB), the stored input gradient (fp32 partials at
         TP > 1, else 16-bit) and the shard's weight gradient (16-bit, or fp32 past two chunks),
@@ -86,8 +86,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from fused_lce.forward_grad import plan_forward_gradients
 from fused_lce.options import LCEOptions
+from fused_lce.token_walk import plan_forward_gradients
 from lce_train.configs import ModelConfig
 
 GIB = 2**30

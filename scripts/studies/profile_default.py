@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from fused_lce import linear_cross_entropy
-from fused_lce.forward_grad import plan_forward_gradients
 from fused_lce.options import LCEOptions
+from fused_lce.token_walk import plan_forward_gradients
 from lce_train.bench_lce_inputs import Case, make_inputs
 from lce_train.bench_lce_providers import providers, two_pass_cce
 from lce_train.bench_lce_timing import gemm_ceiling, steps_median_ms

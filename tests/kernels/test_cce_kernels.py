@@ -35,7 +35,8 @@ from fused_lce.kernels.tiles_backward import (
 )
 from fused_lce.options import LCEOptions
 from fused_lce.terms import GradCoefficients
-from fused_lce.triton_shard import local_targets, prepare_rows
+from fused_lce.token_walk import local_targets
+from fused_lce.triton_shard import prepare_rows
 
 N, V, D = 150, 307, 70
 CPU = torch.device("cpu")

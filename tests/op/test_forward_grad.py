@@ -1,4 +1,4 @@
-"""The gradient-in-forward backward (fused_lce/forward_grad.py) against the fp64 oracle.
+"""The gradient-in-forward backward (fused_lce/token_walk.py) against the fp64 oracle.
 
 Each case checks that the mode really ran (the token-chunk walk, or the exact recompute where the
 upstream gradient is not the assumed one), then compares loss and gradients with float64 on the
@@ -15,14 +15,10 @@ import torch
 from helpers_lce import SCALAR_UPSTREAM, compare_to_reference, make_problem, run_reference_fp64
 
 import fused_lce
-from fused_lce import engine, faults, forward_grad, linear_cross_entropy
-from fused_lce.forward_grad import (
-    DEFAULT_CHUNK_BYTES,
-    MIN_CHUNK_ROWS,
-    ForwardGradPlan,
-    plan_forward_gradients,
-)
+from fused_lce import engine, faults, linear_cross_entropy, token_walk, upstream
 from fused_lce.options import LCEOptions
+from fused_lce.shard import ForwardGradPlan
+from fused_lce.token_walk import DEFAULT_CHUNK_BYTES, MIN_CHUNK_ROWS, plan_forward_gradients
 
 N, V, D = 45, 203, 23
 
@@ -183,12 +179,12 @@ def test_rows_out_of_the_exponentials_range_are_recomputed(chunk, walks, recompu
     # Losses of hundreds of nats: exp(z - z_y) would overflow for those rows, so the walk stores
     # them again against their lse (repair_exponentials) and the result stays exact. The repair
     # must have had rows to repair, and none elsewhere.
-    from fused_lce import triton_shard
+    from fused_lce.kernels import exp_logits
 
     hidden, weight, target, _ = make_problem(N, V, D, torch.bfloat16, "near-uniform", seed=8)
     weight = (weight.float() * 4000.0).bfloat16()
     repaired = []
-    original = triton_shard.repair_exponentials
+    original = exp_logits.repair_exponentials
 
     def counting(*args, **kwargs):
         out = args[6]
@@ -196,7 +192,7 @@ def test_rows_out_of_the_exponentials_range_are_recomputed(chunk, walks, recompu
         original(*args, **kwargs)
         repaired.append(not torch.equal(before, out))
 
-    monkeypatch.setattr(triton_shard, "repair_exponentials", counting)
+    monkeypatch.setattr(exp_logits, "repair_exponentials", counting)
     kw = {} if chunk is None else {"token_chunk_size": chunk}
     compare_to_reference(hidden, weight, target, None, impl="cce", **kw)
     assert any(repaired)
@@ -259,16 +255,14 @@ def test_an_upstream_multiple_of_the_mean_needs_no_recompute(walks, recomputes):
 def test_no_gradient_wanted_walks_without_gradients(monkeypatch, walks):
     """Evaluation walks the chunks training walks (so its loss comes from the same kernels) and
     computes no gradient: not one of the gradient walks the ``walks`` fixture counts."""
-    from fused_lce import engine
-
     statistics_only = []
-    original = engine._walk_token_chunks
+    original = token_walk.walk_token_chunks
 
     def spy(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed):
         statistics_only.append((plan, needs, assumed is None))
         return original(strategy, inputs, call, plan, needs, d_hidden_dtype, assumed)
 
-    monkeypatch.setattr(engine, "_walk_token_chunks", spy)
+    monkeypatch.setattr(token_walk, "walk_token_chunks", spy)
     hidden, weight, target, _ = make_problem(N, V, D, torch.float32, "peaked", seed=1)
     with torch.no_grad():
         linear_cross_entropy(hidden.requires_grad_(), weight, target, impl="cce")
@@ -455,8 +449,8 @@ def test_upstream_scale():
     assumed = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
     def scale(*args):
-        c, mismatch = forward_grad.upstream_scale(*args)
-        return None if mismatch is not None and forward_grad.mismatch_found(mismatch) else c
+        c, mismatch = upstream.upstream_scale(*args)
+        return None if mismatch is not None and upstream.mismatch_found(mismatch) else c
 
     assert scale(torch.tensor([0.5, 0.0, 7.0, 0.5]), None, assumed, valid, "none") == 0.5
     assert scale(torch.tensor([0.5, 0.1, 0.0, 0.5]), None, assumed, valid, "none") is None

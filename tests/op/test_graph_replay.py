@@ -36,7 +36,7 @@ CASES = {
     "bf16-none-loss-mask": dict(reduction="none", mask=True),
     "bf16-several-chunks": dict(token_chunk_size=256),
     "fp32-mean": dict(dtype=torch.float32),
-    # fp16 recomputes in the backward by default (forward_grad.py); its walk on request.
+    # fp16 recomputes in the backward by default (token_walk.py); its walk on request.
     "fp16-sum-in-forward": dict(dtype=torch.float16, reduction="sum", backward="in_forward"),
 }
 TEST_KEYS = ("dtype", "bias", "mask", "ignored")

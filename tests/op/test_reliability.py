@@ -94,7 +94,8 @@ def test_launchers_reject_what_their_kernels_misread():
     from fused_lce.kernels.lse_forward import lse_forward
     from fused_lce.kernels.tiles_backward import lce_backward
     from fused_lce.terms import GradCoefficients
-    from fused_lce.triton_shard import local_targets, prepare_rows
+    from fused_lce.token_walk import local_targets
+    from fused_lce.triton_shard import prepare_rows
 
     hidden, weight, target, bias = make_problem(N, V, D, torch.float32, "peaked", bias=True)
     rows = prepare_rows(target, -100)

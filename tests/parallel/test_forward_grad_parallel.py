@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers_lce import make_problem
 from helpers_parallel import run_on_ranks
 
-from fused_lce import engine, linear_cross_entropy
+from fused_lce import engine, linear_cross_entropy, token_walk
 from fused_lce.parallel import vocab_parallel_linear_cross_entropy
 
 N, V, D = 36, 97, 16  # V = 97 over 2, 3 or 4 ranks: uneven shards; N splits for SP
@@ -47,8 +47,8 @@ def vocab_shard_walk_suite(rank: int, world: int, sequence_parallel: bool,
         device = f"cuda:{rank}"
     errors = []
     walks, recomputes = [], []
-    original = engine._walk_token_chunks
-    engine._walk_token_chunks = lambda *a: walks.append(a[3]) or original(*a)
+    original = token_walk.walk_token_chunks
+    token_walk.walk_token_chunks = lambda *a: walks.append(a[3]) or original(*a)
     engine.warn_recompute = lambda where: recomputes.append(where)
     hidden, weight, target, mask = _problem(dtype)
     bounds = [V * r // world for r in range(world + 1)]
