@@ -150,7 +150,7 @@ class TokenWindows(_StepAddressed):
         return self.zipf_ids[torch.multinomial(self.zipf, n, replacement=True, generator=gen)]
 
     def batch(self, indices: range, device) -> dict:
-        windows = torch.stack([self.sample(i) for i in indices]).to(device)
+        windows = to_device(torch.stack([self.sample(i) for i in indices]), device)
         n = len(indices)
         return {
             "tokens": windows[:, :-1].contiguous(),
@@ -158,6 +158,16 @@ class TokenWindows(_StepAddressed):
             "loss_mask": torch.ones(n, self.seq_length, dtype=torch.float32, device=device),
             "position_ids": torch.arange(self.seq_length, device=device).repeat(n, 1),
         }
+
+
+def to_device(batch: torch.Tensor, device) -> torch.Tensor:
+    """``batch`` on ``device`` without waiting for the GPU: a copy from pageable memory makes the
+    host wait until the GPU has run everything queued before it, once per micro-batch, so the
+    host cannot queue the next micro-batch while the GPU runs this one. From pinned memory the
+    copy queues like a kernel (as Megatron-LM's loader pins and copies with non_blocking)."""
+    if torch.device(device).type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 class IdsOnlyTokenizer:
@@ -185,7 +195,7 @@ class IndexedWindows(_StepAddressed):
 
     def batch(self, indices: range, device) -> dict:
         samples = [self.dataset[i] for i in indices]
-        out = {key: torch.stack([s[key] for s in samples]).to(device)
+        out = {key: to_device(torch.stack([s[key] for s in samples]), device)
                for key in ("tokens", "labels", "loss_mask", "position_ids")}
         out["loss_mask"] = out["loss_mask"].float()
         return out
