@@ -237,6 +237,13 @@ class _ChunkGradients:
                        if want_bias and bias is not None else None)
         self.first_chunk = True
 
+    def _add_weight_grad(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """d_weight += a @ b; the first chunk writes, so d_weight starts uninitialised."""
+        if self.first_chunk:
+            mm_into(self.d_weight, a, b)
+        else:
+            accumulate_mm(self.d_weight, a, b)
+
     def finish(self):
         """(d_hidden, d_weight, d_bias) for an upstream gradient of 1; frees the buffer."""
         self.buffer = None
@@ -332,10 +339,7 @@ class ExpGradientChunks(_ChunkGradients):
             target_grad_out=None if self.target_grads is None else self.target_grads[rows])
         if self.d_weight is not None:
             # Before the input gradient's GEMM, which overwrites ``scaled``'s memory.
-            if self.first_chunk:
-                mm_into(self.d_weight, exps.t(), scaled)
-            else:
-                accumulate_mm(self.d_weight, exps.t(), scaled)
+            self._add_weight_grad(exps.t(), scaled)
         if self.d_bias is not None:
             accumulate_mv(self.d_bias, exps.t(), scale)
         if self.d_hidden is not None:
@@ -423,10 +427,7 @@ class TritonGradientChunks(_ChunkGradients):
         if self.d_hidden is not None:
             mm_into(self.d_hidden[rows], grad, weight)
         if self.d_weight is not None:
-            if self.first_chunk:
-                mm_into(self.d_weight, grad.t(), hidden)
-            else:
-                accumulate_mm(self.d_weight, grad.t(), hidden)
+            self._add_weight_grad(grad.t(), hidden)
         if self.d_bias is not None:
             self.d_bias += grad.sum(dim=0, dtype=torch.float32)
         self.first_chunk = False
