@@ -31,7 +31,7 @@ CPU_KERNEL_TESTS = frozenset({
     "test_ignore_index_and_scale.py::test_vocab_parallel_matches_torch",
 })
 CPU_KERNEL_IDS = frozenset({"test_reliability.py", "test_validation.py", "test_autocast.py",
-                            "test_ignore_index_and_scale.py"})
+                            "test_ignore_index_and_scale.py", "test_graphs.py"})
 
 
 def cpu_kernels_skip_reason(interpret: bool, cuda: bool) -> str | None:

@@ -154,6 +154,7 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.cpu_kernels  # the adapter's default impl="cce", on CPU tensors
 def test_megatron_micro_batches_replay_one_key(recorded, one_rank_group):
     """The adapter's calls, micro-batch after micro-batch with the gradient in main_grad: one
     key, one slot, gradients equal to the eager calls'."""
