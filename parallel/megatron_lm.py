@@ -97,12 +97,29 @@ def _why_megatron_training_failed(exc: ImportError) -> str:
 
 
 def options_from_megatron_lm() -> dict:
-    """The op's options: the ``--cce-*`` flags of Megatron-LM's parsed global arguments."""
+    """The op's options: the ``--cce-*`` flags of Megatron-LM's parsed global arguments, with
+    the op's own CUDA graphs off under ``--cuda-graph-impl full_iteration``."""
     from megatron.training.global_vars import get_args
 
-    options = megatron_flags.cce_options_from_args(get_args())
+    args = get_args()
+    options = megatron_flags.cce_options_from_args(args)
+    if _full_iteration_graphs(args):
+        # Megatron's graph replays the whole step, the loss included, and Python never reaches
+        # the op again after the capture: graphs the op captured in the warm-up steps would only
+        # hold their memory (224 MiB at TP4, hidden 2048, V 131072; docs/benchmarks/).
+        options["cuda_graphs"] = False
     megatron_flags.check_cce_options(options)
     return options
+
+
+def _full_iteration_graphs(args) -> bool:
+    """Whether Megatron-LM captures whole iterations: ``--cuda-graph-impl full_iteration``
+    (megatron-core 0.19+), or ``--cuda-graph-impl local --cuda-graph-scope full_iteration``
+    (0.16 to 0.18)."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    scopes = getattr(args, "cuda_graph_scope", None) or []
+    return impl == "full_iteration" or (
+        impl == "local" and any(getattr(s, "name", s) == "full_iteration" for s in scopes))
 
 
 def _wrap_module_function(module, name: str, wrapper_of) -> None:

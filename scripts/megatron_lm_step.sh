@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The user's step: Megatron-LM's own pretrain_gpt.py with --cross-entropy-fusion-impl cce beside
 # megatron's native fused loss (--cross-entropy-loss-fusion --cross-entropy-fusion-impl native),
-# each eager and under --cuda-graph-impl full_iteration, in alternating rounds, on 4 GPUs:
+# each eager and under --cuda-graph-impl full_iteration, in alternating rounds, on 4 GPUs (one
+# for tp1):
 #
 #     bash scripts/megatron_lm_step.sh RESULTS_DIR [LAYOUT ...]
 #
@@ -9,7 +10,8 @@
 # (TP2 x PP2, 4 layers, 8 micro-batches), tp4_8b (TP4, Llama-3-8B width: hidden 4096, ffn 14336,
 # GQA 8, V 128256, 8 layers, sequence 4096, micro-batch 1, 8 micro-batches), tp2vpp2 (tp2pp2 on
 # Megatron's interleaved schedule, one layer a virtual stage, two model chunks a rank: its
-# transfers do not synchronise the device, so full-iteration graphs can capture it). Others:
+# transfers do not synchronise the device, so full-iteration graphs can capture it), tp1 (tp4's
+# model on one GPU, whole vocabulary: the only layout for a one-GPU machine). Others:
 # V 131072, sequence 2048, micro-batch 2, bf16, mock data, local transformer impl (no TE, no apex).
 # ROUNDS (default 2) rounds of every run, STEPS (default 20) iterations each; the table
 # (lce-megatron-lm-report --step) takes the median over iterations past SKIP (10).
@@ -57,6 +59,7 @@ layout_flags() {  # the model and parallel layout of a layout name
         tp4) echo --tensor-model-parallel-size 4 --num-layers 2 --hidden-size 2048 \
                   --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 \
                   --micro-batch-size 2 --global-batch-size 8 --vocab-size 131072 ;;
+        tp1) layout_flags tp4 | sed 's/--tensor-model-parallel-size 4/--tensor-model-parallel-size 1/' ;;
         tp2pp2) echo --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
                   --num-layers 4 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
                   --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 16 \
@@ -77,7 +80,9 @@ run() {  # run LAYOUT LOSS GRAPHS ROUND
     name="${layout}__${loss}${graphs:+_graphs}__r${round}"
     local flags
     flags=$(layout_flags "$layout") || exit 1
-    local cmd=(torchrun --nproc-per-node 4 --master-port 29519)
+    local gpus=4
+    [[ $layout == tp1 ]] && gpus=1
+    local cmd=(torchrun --nproc-per-node "$gpus" --master-port 29519)
     # Under full-iteration graphs the native loss runs through the plugin too: with pipeline
     # parallelism megatron-core 0.19 fails before the capture without the plugin's batch fix
     # (parallel/megatron_lm.py); --cross-entropy-fusion-impl native is otherwise untouched.

@@ -113,6 +113,29 @@ def test_one_line_install_route(launch):
     assert seen["options"] == {"z_loss": 1e-4, "scratch_mb": 16.0} and seen["gpt_patched"]
 
 
+def _full_iteration_flags() -> list[str]:
+    """Megatron-LM's whole-iteration CUDA graphs, as this megatron spells them."""
+    from megatron.core import package_info
+
+    major, minor = (int(x) for x in package_info.__version__.split(".")[:2])
+    flags = (["--cuda-graph-impl", "full_iteration"] if (major, minor) >= (0, 19)
+             else ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"])
+    return [*flags, "--no-check-for-nan-in-loss-and-grad"]
+
+
+@pytest.mark.parametrize("graphs", ["none", "full_iteration", "layers"])
+def test_the_ops_own_graphs_are_off_under_full_iteration_graphs(graphs):
+    """Megatron's graph replays the loss too: graphs of the op's own would only hold memory.
+    Megatron's per-layer graphs leave the loss outside, where the op's own graphs help."""
+    flags = {"none": [], "full_iteration": _full_iteration_flags(),
+             "layers": ["--cuda-graph-impl", "local"]}[graphs]
+    seen = _seen(_plugin(*CCE, "cce", "--cce-softcap", "30", *flags))
+    expected = {"softcap": 30.0}
+    if graphs == "full_iteration":
+        expected["cuda_graphs"] = False
+    assert seen["options"] == expected
+
+
 def test_native_runs_unchanged_under_the_plugin():
     seen = _seen(_plugin(*CCE, "native"))
     assert seen["config"] == [True, "native"] and not seen["wants_cce"]
