@@ -106,7 +106,8 @@ def options_from_megatron_lm() -> dict:
     if _full_iteration_graphs(args):
         # Megatron's graph replays the whole step, the loss included, and Python never reaches
         # the op again after the capture: graphs the op captured in the warm-up steps would only
-        # hold their memory (224 MiB at TP4, hidden 2048, V 131072; docs/benchmarks/).
+        # hold their memory (576 MiB at TP1, hidden 2048, V 131072, on one H200;
+        # docs/benchmarks/training_step.md).
         options["cuda_graphs"] = False
     megatron_flags.check_cce_options(options)
     return options
@@ -114,10 +115,13 @@ def options_from_megatron_lm() -> dict:
 
 def _full_iteration_graphs(args) -> bool:
     """Whether Megatron-LM captures whole iterations: ``--cuda-graph-impl full_iteration``
-    (megatron-core 0.19+), or ``--cuda-graph-impl local --cuda-graph-scope full_iteration``
-    (0.16 to 0.18)."""
+    (megatron-core 0.19+), or ``--cuda-graph-impl local`` with ``full_iteration`` among the
+    scopes (``--cuda-graph-scope`` in 0.16, later ``--cuda-graph-modules``)."""
     impl = getattr(args, "cuda_graph_impl", None)
-    scopes = getattr(args, "cuda_graph_scope", None) or []
+    scopes = []
+    for name in ("cuda_graph_scope", "cuda_graph_modules"):
+        value = getattr(args, name, None)
+        scopes += list(value) if isinstance(value, (list, tuple)) else [value]
     return impl == "full_iteration" or (
         impl == "local" and any(getattr(s, "name", s) == "full_iteration" for s in scopes))
 
