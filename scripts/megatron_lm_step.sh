@@ -2,7 +2,7 @@
 # The user's step: Megatron-LM's own pretrain_gpt.py with --cross-entropy-fusion-impl cce beside
 # megatron's native fused loss (--cross-entropy-loss-fusion --cross-entropy-fusion-impl native),
 # each eager and under --cuda-graph-impl full_iteration, in alternating rounds, on 4 GPUs (one
-# for tp1):
+# for tp1, two for tp2):
 #
 #     bash scripts/megatron_lm_step.sh RESULTS_DIR [LAYOUT ...]
 #
@@ -11,7 +11,8 @@
 # GQA 8, V 128256, 8 layers, sequence 4096, micro-batch 1, 8 micro-batches), tp2vpp2 (tp2pp2 on
 # Megatron's interleaved schedule, one layer a virtual stage, two model chunks a rank: its
 # transfers do not synchronise the device, so full-iteration graphs can capture it), tp1 (tp4's
-# model on one GPU, whole vocabulary: the only layout for a one-GPU machine). Others:
+# model on one GPU, whole vocabulary: the only layout for a one-GPU machine), tp2 (tp4's model at
+# TP2, for a two-GPU machine). Others:
 # V 131072, sequence 2048, micro-batch 2, bf16, mock data, local transformer impl (no TE, no apex).
 # ROUNDS (default 2) rounds of every run, STEPS (default 20) iterations each; the table
 # (lce-megatron-lm-report --step) takes the median over iterations past SKIP (10).
@@ -59,7 +60,7 @@ layout_flags() {  # the model and parallel layout of a layout name
         tp4) echo --tensor-model-parallel-size 4 --num-layers 2 --hidden-size 2048 \
                   --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 \
                   --micro-batch-size 2 --global-batch-size 8 --vocab-size 131072 ;;
-        tp1) layout_flags tp4 | sed 's/--tensor-model-parallel-size 4/--tensor-model-parallel-size 1/' ;;
+        tp1|tp2) layout_flags tp4 | sed "s/--tensor-model-parallel-size 4/--tensor-model-parallel-size ${1#tp}/" ;;
         tp2pp2) echo --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
                   --num-layers 4 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
                   --max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 16 \
@@ -81,7 +82,7 @@ run() {  # run LAYOUT LOSS GRAPHS ROUND
     local flags
     flags=$(layout_flags "$layout") || exit 1
     local gpus=4
-    [[ $layout == tp1 ]] && gpus=1
+    [[ $layout == tp[12] ]] && gpus=${layout#tp}
     local cmd=(torchrun --nproc-per-node "$gpus" --master-port 29519)
     # Under full-iteration graphs the native loss runs through the plugin too: with pipeline
     # parallelism megatron-core 0.19 fails before the capture without the plugin's batch fix

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer-impl", choices=("auto", "megatron", "torch"), default="auto",
                    help="megatron: get_megatron_optimizer; torch: plain AdamW; auto: megatron, "
                         "falling back to torch where it fails (bf16 on the CPU)")
+    g.add_argument("--cuda-graph-impl", choices=("none", "full_iteration"), default="none",
+                   help="full_iteration: after the warm-up steps, capture the forward and "
+                        "backward of every micro-batch as one CUDA graph and replay it each "
+                        "step (megatron-core's FullCudaGraphWrapper, as Megatron-LM's flag); "
+                        "the optimizer step stays eager. CUDA only, one pipeline stage")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="eager steps before the capture (Triton compiles and tunes in them)")
 
     g = p.add_argument_group("data")
     src = g.add_mutually_exclusive_group()
@@ -173,7 +180,12 @@ def cce_options(args) -> dict:
     """The options ``fused_lce.parallel.megatron_patch.install`` passes to the op: the model's
     final-logit softcap, then the --cce-* flags given (an explicit --cce-softcap wins)."""
     options = {"softcap": args.model.logit_softcap} if args.model.logit_softcap else {}
-    return {**options, **megatron_flags.cce_options_from_args(args)}
+    options.update(megatron_flags.cce_options_from_args(args))
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+        # The whole step is replayed: the op's own graphs, captured in the warm-up steps, would
+        # never run again and only hold their memory (as in fused_lce.parallel.megatron_lm).
+        options["cuda_graphs"] = False
+    return options
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -255,7 +267,27 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.save_interval is not None and args.save is None:
         raise SystemExit("--save-interval needs --save DIR")
     _check_eval_and_probes(args)
+    _check_cuda_graphs(args)
     return args
+
+
+def _check_cuda_graphs(args) -> None:
+    if args.cuda_graph_impl != "full_iteration":
+        return
+    if args.cuda_graph_warmup_steps < 1:
+        raise SystemExit("--cuda-graph-warmup-steps must be >= 1 with --cuda-graph-impl "
+                         f"full_iteration (the kernels compile in eager steps), got "
+                         f"{args.cuda_graph_warmup_steps}")
+    if args.pipeline_model_parallel_size > 1:
+        raise SystemExit("--cuda-graph-impl full_iteration needs --pipeline-model-parallel-size "
+                         "1: megatron-core's non-interleaved pipeline schedule synchronises the "
+                         "device after each transfer, which a capture cannot hold")
+    if args.probe_interval:
+        raise SystemExit("--probe-interval reads the output layer's inputs on chosen steps, "
+                         "which a replayed graph does not do: drop it or --cuda-graph-impl")
+    if args.distributed_backend != "nccl":
+        raise SystemExit("--cuda-graph-impl full_iteration needs CUDA GPUs and the nccl "
+                         f"backend, got backend {args.distributed_backend}")
 
 
 def _check_eval_and_probes(args) -> None:
@@ -363,6 +395,9 @@ def describe(args) -> str:
         f"checkpoint  save {args.save or '-'} (every {args.save_interval or 'end'}), "
         f"load {args.load or '-'}",
     ]
+    if args.cuda_graph_impl == "full_iteration":
+        lines.append(f"cuda graphs full iteration: forward and backward captured after "
+                     f"{args.cuda_graph_warmup_steps} eager steps, then replayed")
     if args.eval_interval:
         source = describe_blend(args.valid_data_path) if args.valid_data_path else \
             "held-out mock stream"

@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     losses: dict[str, list[float]] = {}
     grad_norms: dict[str, list[float]] = {}  # of all parameters' gradients, before clipping
     steps: list[int] = []
+    captured_at: dict[str, int] = {}  # under --cuda-graph-impl full_iteration
     plan = None
     for impl in args.impls:
         flags = DEFAULTS + ["--train-iters", str(args.steps)] + launcher_flags + IMPL_FLAGS[impl]
@@ -142,6 +143,9 @@ def main(argv=None) -> int:
             losses[impl] = [r["loss"] for r in history]
             grad_norms[impl] = [r["grad_norm"] for r in history]
             steps = [r["step"] for r in history]
+            for record in history:
+                if record.get("cuda_graph") == "captured":
+                    captured_at[impl] = record["step"]
     status = 0
     if losses:  # the reporting rank: last pipeline stage, TP rank 0, DP rank 0
         print(describe(plan).split("\n")[0])
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
               f"{'bf16' if plan.bf16 else 'fp32'}, {args.steps} steps\n")
         text, worst = table(steps, losses, args.tol)
         print(text)
+        for impl, step in captured_at.items():
+            print(f"cuda graph  {impl}: captured at step {step}, replayed after")
         if args.json:
             Path(args.json).write_text(json.dumps({"steps": steps, "losses": losses,
                                                    "grad_norms": grad_norms,

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from fused_lce.parallel import megatron_patch
+from lce_train import full_iteration
 from lce_train.arguments import cce_options
 from lce_train.signatures import supported_kwargs
 
@@ -71,7 +72,7 @@ def transformer_config(args):
 
     m = args.model
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -108,6 +109,10 @@ def transformer_config(args):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
     )
+    # megatron-core 0.19+ know full_iteration here (TE's cross entropy then skips its host
+    # checks); 0.16-0.18 name only per-layer graphs, which the launcher does not make.
+    if "full_iteration" in str(getattr(fields.get("cuda_graph_impl"), "type", "")):
+        kwargs["cuda_graph_impl"] = args.cuda_graph_impl
     missing = [k for k, v in kwargs.items() if k not in fields and v not in (None, False, 0.0)]
     layout_fields = ("account_for_loss_in_pipeline_split", "num_layers_in_first_pipeline_stage",
                      "num_layers_in_last_pipeline_stage",
@@ -193,8 +198,10 @@ def build_model(args, config):
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     ))
-    model = DistributedDataParallel(**supported_kwargs(
-        DistributedDataParallel.__init__, config=config, ddp_config=ddp_config, module=model))
+    with full_iteration.ddp_stream(args.cuda_graph_impl == "full_iteration"):
+        model = DistributedDataParallel(**supported_kwargs(
+            DistributedDataParallel.__init__, config=config, ddp_config=ddp_config,
+            module=model))
     if args.uses_cce:
         # Stages without the output layer keep their ordinary path.
         megatron_patch.install(model, **cce_options(args))

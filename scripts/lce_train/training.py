@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lce_train import step_profile
+from lce_train import full_iteration, step_profile
 from lce_train.arguments import describe, parse_args
 from lce_train.checkpoint import load_checkpoint, save_checkpoint
 from lce_train.data import training_data, validation_data
@@ -63,7 +63,10 @@ def build_training(args):
 
     torch.manual_seed(args.seed)
     seed_fn = tensor_parallel.model_parallel_cuda_manual_seed
-    seed_fn(args.seed, **supported_kwargs(seed_fn, force_reset_rng=True))
+    # Graph-safe generators when the step is captured: the graph registers their states.
+    seed_fn(args.seed, **supported_kwargs(
+        seed_fn, force_reset_rng=True,
+        use_cudagraphable_rng=args.cuda_graph_impl == "full_iteration"))
     config = transformer_config(args)
     model, gpt = build_model(args, config)
     optimizer, optimizer_name = build_optimizer(args, model, config)
@@ -120,7 +123,10 @@ def train(args, log=print) -> list[dict]:
     first_batch: dict = {}
     # The peak of training steps only: evaluation and probes forget theirs (on GPUs).
     training_peak = 0
-    forward_backward = get_forward_backward_func()
+    schedule = get_forward_backward_func()
+    graphs = args.cuda_graph_impl == "full_iteration"
+    forward_backward = full_iteration.graphed(schedule, args.cuda_graph_warmup_steps) \
+        if graphs else schedule
     history = []
     json_log = None
     if args.log_json and reporter:
@@ -145,13 +151,17 @@ def train(args, log=print) -> list[dict]:
                 tap.arm()
             if seen is not None or probing:
                 batches = observed(batches, seen, first_batch if probing else None)
+            replayed_before = graphs and full_iteration.captured()
             reduced = forward_backward(**supported_kwargs(
-                forward_backward,
+                schedule,  # the graph wrapper takes the schedule's keywords
                 forward_step_func=forward_step, data_iterator=batches, model=[model],
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
                 forward_only=False,
             ))
+            graph_state = full_iteration.state(replayed_before) if graphs else None
+            if graph_state == "captured":
+                say(f"cuda graph  captured at step {step}, replayed from step {step + 1}")
             ok, grad_norm, _ = optimizer.step()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -175,6 +185,8 @@ def train(args, log=print) -> list[dict]:
                 "step_s": step_s, "peak_gib": peaks, "resident_gib": resident,
                 "skipped": not ok,
             }
+            if graph_state is not None:
+                record["cuda_graph"] = graph_state
             if profiler is not None:  # its step time includes the profiler's own cost
                 record["profiled"] = True
             if valid is not None and _due(step, args.eval_interval, args.train_iters):
@@ -206,6 +218,8 @@ def train(args, log=print) -> list[dict]:
                 save_checkpoint(args, step, gpt, optimizer)
                 say(f"saved       {args.save}/iter_{step:07d}")
     finally:
+        if graphs:
+            full_iteration.release()
         if json_log is not None:
             json_log.close()
         if tap is not None:

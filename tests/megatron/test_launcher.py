@@ -422,6 +422,44 @@ def test_eval_and_probe_flag_checks(tmp_path):
         arguments.parse_args(["--eval-interval", "0", "--dry-run"])
 
 
+def test_full_iteration_graph_flags():
+    graphs = ["--cuda-graph-impl", "full_iteration", "--distributed-backend", "nccl"]
+    args = arguments.parse_args([*graphs, "--cross-entropy-fusion-impl", "cce",
+                                 "--cce-backward", "tiles", "--dry-run"])
+    # The op's own graphs would never replay inside Megatron's.
+    assert arguments.cce_options(args) == {"backward": "tiles", "cuda_graphs": False}
+    assert "captured after 3 eager steps" in arguments.describe(args)
+    assert "cuda graphs" not in arguments.describe(arguments.parse_args(["--dry-run"]))
+    for flags, message in (
+        (["--cuda-graph-warmup-steps", "0"], "--cuda-graph-warmup-steps must be >= 1"),
+        (["--pipeline-model-parallel-size", "2", "--world-size", "2"],
+         "needs --pipeline-model-parallel-size 1"),
+        (["--probe-interval", "2"], "--probe-interval reads the output layer"),
+        (["--distributed-backend", "gloo"], "needs CUDA GPUs and the nccl backend"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            arguments.parse_args([*graphs, *flags, "--dry-run"])
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--nproc", "1", "--tensor-model-parallel-size", "1"],
+                 marks=pytest.mark.requires_cuda, id="tp1"),
+    pytest.param(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+                 marks=pytest.mark.requires_gpus(2), id="tp2_sp_bf16"),
+])
+def test_full_iteration_graphs_replay_the_eager_losses(tmp_path, layout):
+    # Each loss is held to its own eager run here, not to the other loss.
+    flags = [*layout, "--impls", "cce,native", "--tol", "1e-1"]
+    eager = _compare(tmp_path, *flags, steps=6)
+    graphed = _compare(tmp_path, *flags, "--cuda-graph-impl", "full_iteration",
+                       "--cuda-graph-warmup-steps", "2", steps=6)
+    for impl in ("cce", "native"):
+        assert f"cuda graph  {impl}: captured at step 3" in graphed["stdout"], graphed["stdout"]
+    for impl in ("cce", "native"):
+        # Steps 4-6 are replays on new batches; the op runs without its own graphs there.
+        assert graphed["losses"][impl] == pytest.approx(eager["losses"][impl], rel=1e-5), impl
+
+
 def test_held_out_windows_are_fixed_and_separate():
     args = arguments.parse_args([*TINY, "--global-batch-size", "4", "--dry-run"])
     train = TokenWindows(32, 1000, seed=7)
